@@ -1,0 +1,28 @@
+"""The `deltarl` command: one entry point for the daemons, control and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+BENCHES = ("codec",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="deltarl", description="asynchronous RL with weight-delta refit")
+    sub = ap.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run a benchmark", add_help=False)
+    bench.add_argument("name", choices=BENCHES)
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "bench":
+        if args.name == "codec":
+            from deltarl.bench import codec  # noqa: PLC0415 - heavy imports only when used
+
+            return codec.main(rest)
+    ap.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Decoding and applying chunks: validate everything first, then write.
+
+``decode_chunk`` checks the whole frame (checksum, versions, every length, count, index and
+range) and decodes positions and coded values into private arrays; it never touches the
+weights. ``apply_chunk`` then writes the decoded values into a target buffer. A frame that
+fails any check raises FrameError naming what is wrong, and nothing has been written.
+
+Values are reference-coded (DESIGN.md: the receiver holds the reference, so a coder may
+condition on it), and the new bits are written absolutely. Applying a chunk computes
+``target[p] = decode(coded, reference[p])``: with the reference kept separate from the target
+(the apply agent reads the active buffer and writes the inactive one), applying a chunk twice
+writes the same bits twice and is harmless. When target and reference are the same buffer
+(in place), a chunk must be applied at most once; VersionApply enforces that by chunk id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deltarl.codecs import kernels
+from deltarl.codecs.checksum import chunk_checksum, model_digest, tensor_digest
+from deltarl.codecs.compression import decompress
+from deltarl.codecs.frame import (
+    CHECKSUM_OFFSET,
+    HEADER_SIZE,
+    KIND_DELTA,
+    KIND_FULL,
+    MAX_ITEMSIZE,
+    NO_BASE,
+    POS_BITMAP,
+    POS_DENSE,
+    POS_NAMES,
+    POS_RICE,
+    RECORD,
+    STREAM,
+    STREAM_BITMAP,
+    STREAM_PLANE0,
+    STREAM_RICE,
+    VAL_NAMES,
+    VAL_RAW,
+    FrameError,
+    FrameHeader,
+    RecordHeader,
+    StreamHeader,
+)
+from deltarl.codecs.manifest import RefitManifest
+from deltarl.codecs.values import decode_values, from_planes
+from deltarl.engine.layout import Layout, dtype_of
+
+
+@dataclass(frozen=True)
+class DecodedRecord:
+    header: RecordHeader
+    positions: np.ndarray | None  # int64, ascending, relative to header.start; None if dense
+    values: np.ndarray  # coded values, uintN
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    header: FrameHeader
+    records: list[DecodedRecord]
+    wire_bytes: int
+
+
+def decode_chunk(
+    data: bytes | bytearray | memoryview,
+    layout: Layout,
+    *,
+    base: int | None = None,
+    target: int | None = None,
+) -> DecodedChunk:
+    """Validate and decode one chunk. ``base``/``target``, when given, must match the frame.
+
+    ``base`` is the version the receiver holds (None: it holds nothing, so only a full
+    version is acceptable).
+    """
+    buf = memoryview(data).cast("B")
+    header = FrameHeader.parse(buf)
+    if len(buf) != HEADER_SIZE + header.body_len:
+        what = "truncated" if len(buf) < HEADER_SIZE + header.body_len else "oversized"
+        raise FrameError(
+            f"{what} frame: {len(buf)} bytes, header says {HEADER_SIZE + header.body_len}"
+        )
+    body = buf[HEADER_SIZE:]
+    actual = chunk_checksum([buf[:CHECKSUM_OFFSET], body])
+    if actual != header.checksum:
+        raise FrameError(
+            f"chunk {header.chunk_id} of version {header.target}: checksum mismatch "
+            f"(frame says {header.checksum:016x}, bytes hash to {actual:016x})"
+        )
+    _check_versions(header, base, target)
+
+    tables = header.n_records * RECORD.size + header.n_streams * STREAM.size
+    if tables > len(body):
+        raise FrameError(
+            f"frame claims {header.n_records} records and {header.n_streams} streams, "
+            f"which need {tables} bytes; the body has {len(body)}"
+        )
+    records = [RecordHeader(*RECORD.unpack_from(body, i * RECORD.size)) for i in range(header.n_records)]
+    off = header.n_records * RECORD.size
+    streams = []
+    for i in range(header.n_streams):
+        kind, comp, r1, r2, raw_len, wire_len = STREAM.unpack_from(body, off + i * STREAM.size)
+        if r1 or r2:
+            raise FrameError(f"stream {i}: reserved fields are not zero")
+        streams.append(StreamHeader(kind, comp, raw_len, wire_len))
+    _check_records(header, records, layout)
+    raw = _read_streams(header, records, streams, body[tables:])
+
+    positions = _decode_positions(records, raw, layout)
+    values = _split_values(records, raw)
+    decoded = [
+        DecodedRecord(r, p, v) for r, p, v in zip(records, positions, values, strict=True)
+    ]
+    return DecodedChunk(header, decoded, len(buf))
+
+
+def apply_chunk(
+    chunk: DecodedChunk, layout: Layout, target: np.ndarray, reference: np.ndarray | None
+) -> None:
+    """Write a decoded chunk into ``target``; reference-coded values read ``reference``.
+
+    Both are flat uint8 buffers laid out by ``layout``; reference may be target (in place).
+    """
+    for rec in chunk.records:
+        h = rec.header
+        spec = layout.tensors[h.tensor_id]
+        is_float = dtype_of(spec.dtype).kind == "float"
+        out = layout.view(target, h.tensor_id)
+        if rec.positions is None:
+            where: slice | np.ndarray = slice(h.start, h.start + h.length)
+        else:
+            where = rec.positions + h.start
+        old = None
+        if h.val_coding != VAL_RAW:
+            if reference is None:
+                raise FrameError(f"record for {spec.name!r} is reference-coded; no reference given")
+            old = layout.view(reference, h.tensor_id)[where]
+        out[where] = decode_values(rec.values, old, h.val_coding, is_float)
+
+
+class ChecksumMismatch(ValueError):
+    """Applied tensors that do not hash to what the manifest says. The version must not flip."""
+
+    def __init__(self, version: int, names: list[str]) -> None:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(f"version {version}: {len(names)} tensor(s) differ after apply: {shown}")
+        self.version = version
+        self.names = names
+
+
+def verify_tensors(layout: Layout, buf: np.ndarray, manifest: RefitManifest) -> None:
+    """Check every tensor of ``buf`` against the manifest's xxh3-128; raise on any mismatch."""
+    if [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors] != [
+        (s.name, s.dtype, s.shape) for s in layout.tensors
+    ]:
+        raise ChecksumMismatch(manifest.version, ["<manifest does not describe this layout>"])
+    digests = [tensor_digest(layout.view(buf, i)) for i in range(len(layout))]
+    bad = [t.name for t, d in zip(manifest.tensors, digests, strict=True) if t.xxh3_128 != d]
+    if not bad and model_digest(digests) != manifest.model_xxh3_128:
+        bad = ["<whole-model checksum>"]
+    if bad:
+        raise ChecksumMismatch(manifest.version, bad)
+
+
+class VersionApply:
+    """Applies the chunks of one version into a target buffer, then verifies it.
+
+    Keeps: every chunk id is applied at most once (a repeated chunk with the same checksum is
+    acknowledged and skipped; one with a different checksum is refused); chunks must be of
+    this version and base; ``verify`` passes only when the manifest's chunks all arrived
+    with their listed checksums and every tensor hashes right.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        target: np.ndarray,
+        reference: np.ndarray | None,
+        *,
+        base: int | None,
+        version: int,
+    ) -> None:
+        self.layout = layout
+        self.target = target
+        self.reference = reference
+        self.base = base
+        self.version = version
+        self.applied: dict[int, int] = {}  # chunk id -> checksum
+
+    def apply(self, data: bytes | bytearray | memoryview) -> bool:
+        """Apply one chunk; False if it was a duplicate and changed nothing."""
+        header = FrameHeader.parse(memoryview(data).cast("B"))
+        seen = self.applied.get(header.chunk_id)
+        if seen is not None and header.target == self.version:
+            if seen != header.checksum:
+                raise FrameError(
+                    f"chunk {header.chunk_id} of version {self.version} arrived twice with "
+                    f"different checksums ({seen:016x} then {header.checksum:016x})"
+                )
+            return False
+        decoded = decode_chunk(data, self.layout, base=self.base, target=self.version)
+        apply_chunk(decoded, self.layout, self.target, self.reference)
+        self.applied[header.chunk_id] = header.checksum
+        return True
+
+    def verify(self, manifest: RefitManifest) -> None:
+        if manifest.version != self.version or manifest.base_version != (
+            NO_BASE if self.base is None else self.base
+        ):
+            raise FrameError(
+                f"manifest is for {manifest.base_version}->{manifest.version}, "
+                f"this apply is {self.base}->{self.version}"
+            )
+        missing = [c.id for c in manifest.chunks if c.id not in self.applied]
+        if missing:
+            raise FrameError(f"version {self.version}: chunks {missing[:10]} have not arrived")
+        wrong = [c.id for c in manifest.chunks if self.applied[c.id] != c.xxh3_64]
+        extra = sorted(set(self.applied) - {c.id for c in manifest.chunks})
+        if wrong or extra:
+            raise FrameError(
+                f"version {self.version}: applied chunks disagree with the manifest "
+                f"(checksum differs: {wrong[:10]}, not listed: {extra[:10]})"
+            )
+        verify_tensors(self.layout, self.target, manifest)
+
+
+# -- validation helpers ---------------------------------------------------------------------
+
+
+def _check_versions(header: FrameHeader, base: int | None, target: int | None) -> None:
+    if target is not None and header.target != target:
+        raise FrameError(f"frame is for version {header.target}, expected version {target}")
+    if header.kind == KIND_DELTA:
+        if base is None:
+            raise FrameError(
+                f"delta {header.base}->{header.target} refused: the receiver holds no version"
+            )
+        if header.base != base:
+            raise FrameError(
+                f"delta {header.base}->{header.target} refused: the receiver holds version {base}"
+            )
+
+
+def _check_records(header: FrameHeader, records: list[RecordHeader], layout: Layout) -> None:
+    last: tuple[int, int] = (-1, 0)  # (tensor id, end) of the previous record
+    for i, r in enumerate(records):
+        where = f"record {i}"
+        if r.tensor_id >= len(layout):
+            raise FrameError(f"{where}: tensor id {r.tensor_id} is not in the layout ({len(layout)})")
+        spec = layout.tensors[r.tensor_id]
+        where = f"record {i} ({spec.name!r})"
+        if r.itemsize != spec.itemsize:
+            raise FrameError(f"{where}: itemsize {r.itemsize}, the layout says {spec.itemsize}")
+        if r.pos_coding not in POS_NAMES:
+            raise FrameError(f"{where}: unknown position coding {r.pos_coding}")
+        if r.val_coding not in VAL_NAMES:
+            raise FrameError(f"{where}: unknown value coding {r.val_coding}")
+        if header.kind == KIND_FULL and (r.pos_coding != POS_DENSE or r.val_coding != VAL_RAW):
+            raise FrameError(f"{where}: a full frame must carry dense raw values")
+        if r.length == 0 or r.start + r.length > spec.numel:
+            raise FrameError(
+                f"{where}: range [{r.start}, {r.start + r.length}) is empty or outside "
+                f"the tensor's {spec.numel} elements"
+            )
+        if r.changed > r.length:
+            raise FrameError(f"{where}: {r.changed} changed elements in a range of {r.length}")
+        if (r.tensor_id, r.start) < last:
+            raise FrameError(f"{where}: overlaps or precedes the previous record")
+        last = (r.tensor_id, r.start + r.length)
+        if r.pos_coding == POS_RICE:
+            if r.changed == 0 or r.rice_k > 31:
+                raise FrameError(f"{where}: Rice record with {r.changed} positions, k={r.rice_k}")
+        elif r.rice_k:
+            raise FrameError(f"{where}: a Rice parameter on a non-Rice record")
+        if r.pos_coding == POS_BITMAP and r.pos_len != (r.length + 7) // 8:
+            raise FrameError(f"{where}: bitmap of {r.pos_len} bytes for {r.length} elements")
+        if r.pos_coding == POS_DENSE and r.pos_len:
+            raise FrameError(f"{where}: a dense record carries {r.pos_len} position bytes")
+
+
+def _read_streams(
+    header: FrameHeader,
+    records: list[RecordHeader],
+    streams: list[StreamHeader],
+    payload: memoryview,
+) -> dict[int, np.ndarray]:
+    expected: dict[int, int] = {}
+    for r in records:
+        if r.pos_coding == POS_RICE:
+            expected[STREAM_RICE] = expected.get(STREAM_RICE, 0) + r.pos_len
+        elif r.pos_coding == POS_BITMAP:
+            expected[STREAM_BITMAP] = expected.get(STREAM_BITMAP, 0) + r.pos_len
+        for p in range(min(r.itemsize, MAX_ITEMSIZE)):
+            expected[STREAM_PLANE0 + p] = expected.get(STREAM_PLANE0 + p, 0) + r.value_count
+    kinds = [s.kind for s in streams]
+    if len(set(kinds)) != len(kinds):
+        raise FrameError(f"a stream kind appears twice: {kinds}")
+    if sum(s.wire_len for s in streams) != len(payload):
+        raise FrameError(
+            f"streams claim {sum(s.wire_len for s in streams)} bytes; {len(payload)} follow the tables"
+        )
+    if sum(s.raw_len for s in streams) != header.raw_len:
+        raise FrameError("stream sizes do not add up to the header's raw length")
+    got = {s.kind: s.raw_len for s in streams if s.raw_len}
+    want = {k: v for k, v in expected.items() if v}
+    if got != want:
+        raise FrameError(f"stream sizes {got} do not match what the records need {want}")
+    out: dict[int, np.ndarray] = {}
+    off = 0
+    for s in streams:
+        wire = payload[off : off + s.wire_len]
+        off += s.wire_len
+        raw = decompress(s.compression, wire, s.raw_len, f"stream kind {s.kind}")
+        out[s.kind] = np.frombuffer(raw, np.uint8)
+    return out
+
+
+def _decode_positions(
+    records: list[RecordHeader], raw: dict[int, np.ndarray], layout: Layout
+) -> list[np.ndarray | None]:
+    result: list[np.ndarray | None] = [None] * len(records)
+    rice_ids = [i for i, r in enumerate(records) if r.pos_coding == POS_RICE]
+    if rice_ids:
+        rs = [records[i] for i in rice_ids]
+        src_len = np.array([r.pos_len for r in rs], np.int64)
+        src_off = np.zeros(len(rs), np.int64)
+        np.cumsum(src_len[:-1], out=src_off[1:])
+        counts = np.array([r.changed for r in rs], np.int64)
+        out_off = np.zeros(len(rs), np.int64)
+        np.cumsum(counts[:-1], out=out_off[1:])
+        out = np.empty(int(counts.sum()), np.int64)
+        errors = np.zeros(len(rs), np.int64)
+        kernels.rice_decode(
+            raw[STREAM_RICE], src_off, src_len, counts,
+            np.array([r.rice_k for r in rs], np.int64),
+            np.array([r.length for r in rs], np.int64),
+            out, out_off, errors,
+        )  # fmt: skip
+        for j, i in enumerate(rice_ids):
+            if errors[j]:
+                name = layout.tensors[records[i].tensor_id].name
+                raise FrameError(f"record {i} ({name!r}): {kernels.RICE_ERRORS[int(errors[j])]}")
+            result[i] = out[out_off[j] : out_off[j] + counts[j]]
+    off = 0
+    for i, r in enumerate(records):
+        if r.pos_coding != POS_BITMAP:
+            continue
+        packed = raw[STREAM_BITMAP][off : off + r.pos_len]
+        off += r.pos_len
+        bits = np.unpackbits(packed, bitorder="little")
+        if bits[r.length :].any():
+            raise FrameError(f"record {i}: bitmap padding bits are not zero")
+        found = np.flatnonzero(bits[: r.length])
+        if found.size != r.changed:
+            raise FrameError(f"record {i}: bitmap marks {found.size} elements, header says {r.changed}")
+        result[i] = found
+    return result
+
+
+def _split_values(records: list[RecordHeader], raw: dict[int, np.ndarray]) -> list[np.ndarray]:
+    cursor = dict.fromkeys(raw, 0)
+    values = []
+    for r in records:
+        n = r.value_count
+        planes = np.empty((r.itemsize, n), np.uint8)
+        for p in range(r.itemsize):
+            kind = STREAM_PLANE0 + p
+            if n:
+                planes[p] = raw[kind][cursor[kind] : cursor[kind] + n]
+                cursor[kind] += n
+        values.append(from_planes(planes, np.dtype(f"<u{r.itemsize}")))
+    return values

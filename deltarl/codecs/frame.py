@@ -1,0 +1,197 @@
+"""The wire format of one chunk: a fixed header, a record table, a stream table, the streams.
+
+Every chunk is independently decodable and self-describing. All integers are little-endian.
+
+    header (64 bytes)
+      0  magic        4s   b"DRLF"
+      4  format       u16  FORMAT_VERSION
+      6  kind         u8   KIND_DELTA | KIND_FULL
+      7  flags        u8   0 (reserved, must be 0)
+      8  base         i64  base version (NO_BASE for a full version)
+     16  target       i64  target version
+     24  chunk_id     u32  position of this chunk in its version (0, 1, ...)
+     28  n_records    u32
+     32  n_streams    u32
+     36  reserved     u32  0
+     40  body_len     u64  bytes after the header
+     48  raw_len      u64  decoded size of all streams (bounded by MAX_RAW_BYTES)
+     56  checksum     u64  xxh3-64 of header[0:56] + body: the chunk's wire bytes
+
+    record table: n_records x RECORD (40 bytes), one per tensor range
+      tensor_id u32 | pos_coding u8 | val_coding u8 | itemsize u8 | rice_k u8
+      start u64 | length u64 | changed u64 | pos_len u64
+
+    stream table: n_streams x STREAM (24 bytes)
+      kind u8 | compression u8 | reserved u16 | reserved u32 | raw_len u64 | wire_len u64
+
+    streams: the payloads, in table order
+
+Streams (each kind at most once per chunk):
+- STREAM_RICE: the Rice-coded position gaps of every POS_RICE record, each record's part
+  byte-aligned and ``pos_len`` bytes long, in record order;
+- STREAM_BITMAP: the little-endian bitmaps of every POS_BITMAP record, ceil(length/8) bytes each;
+- STREAM_PLANE0 + p: byte p of the coded values of every record whose itemsize exceeds p,
+  in record order (byte planes: bytes of equal significance together compress far better).
+
+A record's value count is ``changed`` for POS_RICE/POS_BITMAP and ``length`` for POS_DENSE.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"DRLF"
+FORMAT_VERSION = 1
+NO_BASE = -1
+
+KIND_DELTA = 1
+KIND_FULL = 2
+KIND_NAMES = {KIND_DELTA: "delta", KIND_FULL: "full"}
+
+# Position codings: how a record says which elements it carries.
+POS_RICE = 1  # gaps between changed positions, Golomb-Rice coded with parameter rice_k
+POS_BITMAP = 2  # one bit per element of the range
+POS_DENSE = 3  # every element of the range
+POS_NAMES = {POS_RICE: "rice", POS_BITMAP: "bitmap", POS_DENSE: "dense"}
+
+# Value codings: how a carried element's new bits are written. The decoder may read the
+# reference (the base version's bits at the same place) for the first two.
+VAL_ORDERED_DELTA = 1  # zigzag(order(new) - order(ref)): small for the +-1 ulp steps of RL
+VAL_XOR = 2  # new ^ ref
+VAL_RAW = 3  # new bits, no reference (full versions)
+VAL_NAMES = {VAL_ORDERED_DELTA: "ordered-delta", VAL_XOR: "xor", VAL_RAW: "raw"}
+
+COMP_NONE = 0
+COMP_ZSTD = 1
+
+STREAM_RICE = 1
+STREAM_BITMAP = 2
+STREAM_PLANE0 = 8  # STREAM_PLANE0 + p for byte plane p (0 <= p < 8)
+
+# A decoder never allocates more than this for one chunk, whatever the frame claims.
+MAX_RAW_BYTES = 1 << 31
+MAX_ITEMSIZE = 8
+
+HEADER = struct.Struct("<4sHBBqqIIIIQQQ")
+RECORD = struct.Struct("<IBBBBQQQQ")
+STREAM = struct.Struct("<BBHIQQ")
+HEADER_SIZE = HEADER.size
+CHECKSUM_OFFSET = HEADER_SIZE - 8
+
+assert HEADER_SIZE == 64 and RECORD.size == 40 and STREAM.size == 24
+
+
+class FrameError(ValueError):
+    """A frame that is truncated, corrupted, mis-versioned or out of range. Nothing was applied."""
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    kind: int
+    base: int
+    target: int
+    chunk_id: int
+    n_records: int
+    n_streams: int
+    body_len: int
+    raw_len: int
+    checksum: int
+
+    def pack_prefix(self) -> bytes:
+        """The first 56 header bytes: everything the checksum covers besides the body."""
+        return HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            self.kind,
+            0,
+            self.base,
+            self.target,
+            self.chunk_id,
+            self.n_records,
+            self.n_streams,
+            0,
+            self.body_len,
+            self.raw_len,
+            0,
+        )[:CHECKSUM_OFFSET]
+
+    @classmethod
+    def parse(cls, data: memoryview) -> FrameHeader:
+        if len(data) < HEADER_SIZE:
+            raise FrameError(f"truncated frame: {len(data)} bytes, a header alone is {HEADER_SIZE}")
+        (
+            magic,
+            fmt,
+            kind,
+            flags,
+            base,
+            target,
+            chunk_id,
+            n_records,
+            n_streams,
+            reserved,
+            body_len,
+            raw_len,
+            checksum,
+        ) = HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise FrameError(f"not a deltarl frame: magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if fmt != FORMAT_VERSION:
+            raise FrameError(f"frame format {fmt} is not supported (this build reads {FORMAT_VERSION})")
+        if kind not in KIND_NAMES:
+            raise FrameError(f"unknown frame kind {kind}")
+        if flags or reserved:
+            raise FrameError("reserved header fields are not zero")
+        if kind == KIND_FULL and base != NO_BASE:
+            raise FrameError(f"a full frame names base version {base}; it must name none")
+        if kind == KIND_DELTA and not 0 <= base < target:
+            raise FrameError(f"delta frame from version {base} to {target}: the base must precede it")
+        if target < 0:
+            raise FrameError(f"negative target version {target}")
+        if raw_len > MAX_RAW_BYTES:
+            raise FrameError(f"frame claims {raw_len} decoded bytes, over the {MAX_RAW_BYTES} limit")
+        return cls(kind, base, target, chunk_id, n_records, n_streams, body_len, raw_len, checksum)
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """One tensor range in a chunk."""
+
+    tensor_id: int
+    pos_coding: int
+    val_coding: int
+    itemsize: int
+    rice_k: int
+    start: int
+    length: int
+    changed: int
+    pos_len: int
+
+    @property
+    def value_count(self) -> int:
+        return self.length if self.pos_coding == POS_DENSE else self.changed
+
+    def pack(self) -> bytes:
+        return RECORD.pack(
+            self.tensor_id,
+            self.pos_coding,
+            self.val_coding,
+            self.itemsize,
+            self.rice_k,
+            self.start,
+            self.length,
+            self.changed,
+            self.pos_len,
+        )
+
+
+@dataclass(frozen=True)
+class StreamHeader:
+    kind: int
+    compression: int
+    raw_len: int
+    wire_len: int
+
+    def pack(self) -> bytes:
+        return STREAM.pack(self.kind, self.compression, 0, 0, self.raw_len, self.wire_len)
