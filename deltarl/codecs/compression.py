@@ -17,8 +17,9 @@ class PlaneCompressor:
     """Compress streams at one level. Not thread-safe: one per encoding thread."""
 
     def __init__(self, level: int = DEFAULT_LEVEL) -> None:
-        self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=False,
-                                              write_content_size=True)
+        self._cctx = zstandard.ZstdCompressor(
+            level=level, write_checksum=False, write_content_size=True
+        )
 
     def compress(self, raw: bytes | memoryview) -> tuple[int, bytes | memoryview]:
         """(compression id, wire bytes): zstd if it saves anything, else the raw bytes."""

@@ -27,7 +27,6 @@ from deltarl.codecs.frame import (
     HEADER_SIZE,
     KIND_DELTA,
     KIND_FULL,
-    MAX_ITEMSIZE,
     NO_BASE,
     POS_BITMAP,
     POS_DENSE,
@@ -38,6 +37,7 @@ from deltarl.codecs.frame import (
     STREAM_BITMAP,
     STREAM_PLANE0,
     STREAM_RICE,
+    STREAM_VALUES,
     VAL_NAMES,
     VAL_RAW,
     FrameError,
@@ -51,16 +51,24 @@ from deltarl.engine.layout import Layout, dtype_of
 
 
 @dataclass(frozen=True)
-class DecodedRecord:
-    header: RecordHeader
-    positions: np.ndarray | None  # int64, ascending, relative to header.start; None if dense
-    values: np.ndarray  # coded values, uintN
+class SparseBatch:
+    """The decoded sparse records of one element width, ready for one scatter call."""
+
+    itemsize: int
+    tensor_ids: np.ndarray  # int64[n]
+    starts: np.ndarray  # int64[n]: first element of each record's range within its tensor
+    counts: np.ndarray  # int64[n]
+    out_off: np.ndarray  # int64[n]: each record's region in positions / zval
+    positions: np.ndarray  # uint32: ascending within a record, relative to its start
+    zval: np.ndarray  # uintN (the element width): coded values
 
 
 @dataclass(frozen=True)
 class DecodedChunk:
     header: FrameHeader
-    records: list[DecodedRecord]
+    records: list[RecordHeader]
+    sparse: list[SparseBatch]
+    dense: list[tuple[RecordHeader, np.ndarray]]  # coded values (uintN) of whole ranges
     wire_bytes: int
 
 
@@ -98,7 +106,7 @@ def decode_chunk(
             f"frame claims {header.n_records} records and {header.n_streams} streams, "
             f"which need {tables} bytes; the body has {len(body)}"
         )
-    records = [RecordHeader(*RECORD.unpack_from(body, i * RECORD.size)) for i in range(header.n_records)]
+    records = [RecordHeader.unpack_from(body, i * RECORD.size) for i in range(header.n_records)]
     off = header.n_records * RECORD.size
     streams = []
     for i in range(header.n_streams):
@@ -108,13 +116,9 @@ def decode_chunk(
         streams.append(StreamHeader(kind, comp, raw_len, wire_len))
     _check_records(header, records, layout)
     raw = _read_streams(header, records, streams, body[tables:])
-
-    positions = _decode_positions(records, raw, layout)
-    values = _split_values(records, raw)
-    decoded = [
-        DecodedRecord(r, p, v) for r, p, v in zip(records, positions, values, strict=True)
-    ]
-    return DecodedChunk(header, decoded, len(buf))
+    sparse = _decode_sparse(records, raw, layout)
+    dense = _split_planes(records, raw)
+    return DecodedChunk(header, records, sparse, dense, len(buf))
 
 
 def apply_chunk(
@@ -124,24 +128,36 @@ def apply_chunk(
 
     Both are flat uint8 buffers laid out by ``layout``; reference may be target (in place).
     """
-    for rec in chunk.records:
-        h = rec.header
+    needs_ref = any(r.val_coding != VAL_RAW for r in chunk.records)
+    if needs_ref and reference is None:
+        raise FrameError("the chunk is reference-coded and no reference was given")
+    for batch in chunk.sparse:
+        bits = np.dtype(f"<u{batch.itemsize}")
+        offsets = np.array([layout.tensors[t].offset for t in batch.tensor_ids], np.int64)
+        is_float = np.array(
+            [dtype_of(layout.tensors[t].dtype).kind == "float" for t in batch.tensor_ids]
+        )
+        assert reference is not None
+        coding = chunk.records[0].val_coding if chunk.records else VAL_RAW
+        for flag in (True, False):
+            sel = is_float == flag
+            if not sel.any():
+                continue
+            kernels.scatter_sparse(
+                target.view(bits), reference.view(bits),
+                offsets[sel] // batch.itemsize + batch.starts[sel],
+                batch.counts[sel], batch.out_off[sel], batch.positions, batch.zval,
+                coding, flag,
+            )  # fmt: skip
+    for h, coded in chunk.dense:
         spec = layout.tensors[h.tensor_id]
         is_float = dtype_of(spec.dtype).kind == "float"
-        out = layout.view(target, h.tensor_id)
-        if rec.positions is None:
-            where: slice | np.ndarray = slice(h.start, h.start + h.length)
-        else:
-            where = rec.positions + h.start
-        old = None
-        if h.val_coding != VAL_RAW:
-            if reference is None:
-                raise FrameError(f"record for {spec.name!r} is reference-coded; no reference given")
-            old = layout.view(reference, h.tensor_id)[where]
-        out[where] = decode_values(rec.values, old, h.val_coding, is_float)
+        where = slice(h.start, h.start + h.length)
+        old = None if h.val_coding == VAL_RAW else layout.view(reference, h.tensor_id)[where]  # type: ignore[arg-type]
+        layout.view(target, h.tensor_id)[where] = decode_values(coded, old, h.val_coding, is_float)
 
 
-class ChecksumMismatch(ValueError):
+class ChecksumMismatchError(ValueError):
     """Applied tensors that do not hash to what the manifest says. The version must not flip."""
 
     def __init__(self, version: int, names: list[str]) -> None:
@@ -156,13 +172,13 @@ def verify_tensors(layout: Layout, buf: np.ndarray, manifest: RefitManifest) -> 
     if [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors] != [
         (s.name, s.dtype, s.shape) for s in layout.tensors
     ]:
-        raise ChecksumMismatch(manifest.version, ["<manifest does not describe this layout>"])
+        raise ChecksumMismatchError(manifest.version, ["<manifest does not describe this layout>"])
     digests = [tensor_digest(layout.view(buf, i)) for i in range(len(layout))]
     bad = [t.name for t, d in zip(manifest.tensors, digests, strict=True) if t.xxh3_128 != d]
     if not bad and model_digest(digests) != manifest.model_xxh3_128:
         bad = ["<whole-model checksum>"]
     if bad:
-        raise ChecksumMismatch(manifest.version, bad)
+        raise ChecksumMismatchError(manifest.version, bad)
 
 
 class VersionApply:
@@ -249,7 +265,9 @@ def _check_records(header: FrameHeader, records: list[RecordHeader], layout: Lay
     for i, r in enumerate(records):
         where = f"record {i}"
         if r.tensor_id >= len(layout):
-            raise FrameError(f"{where}: tensor id {r.tensor_id} is not in the layout ({len(layout)})")
+            raise FrameError(
+                f"{where}: tensor id {r.tensor_id} is not in the layout ({len(layout)})"
+            )
         spec = layout.tensors[r.tensor_id]
         where = f"record {i} ({spec.name!r})"
         if r.itemsize != spec.itemsize:
@@ -270,15 +288,18 @@ def _check_records(header: FrameHeader, records: list[RecordHeader], layout: Lay
         if (r.tensor_id, r.start) < last:
             raise FrameError(f"{where}: overlaps or precedes the previous record")
         last = (r.tensor_id, r.start + r.length)
-        if r.pos_coding == POS_RICE:
-            if r.changed == 0 or r.rice_k > 31:
-                raise FrameError(f"{where}: Rice record with {r.changed} positions, k={r.rice_k}")
-        elif r.rice_k:
-            raise FrameError(f"{where}: a Rice parameter on a non-Rice record")
-        if r.pos_coding == POS_BITMAP and r.pos_len != (r.length + 7) // 8:
+        if r.pos_coding == POS_DENSE:
+            if r.pos_len or r.val_len or r.pos_k or r.val_k:
+                raise FrameError(f"{where}: a dense record carries stream bytes or parameters")
+            continue
+        if r.changed == 0:
+            raise FrameError(f"{where}: a sparse record with no changed elements")
+        if r.pos_k >= kernels.POSITION_WIDTH or r.val_k >= 8 * r.itemsize:
+            raise FrameError(f"{where}: Rice parameters {r.pos_k}/{r.val_k} out of range")
+        if r.pos_coding == POS_BITMAP and (r.pos_k or r.pos_len != (r.length + 7) // 8):
             raise FrameError(f"{where}: bitmap of {r.pos_len} bytes for {r.length} elements")
-        if r.pos_coding == POS_DENSE and r.pos_len:
-            raise FrameError(f"{where}: a dense record carries {r.pos_len} position bytes")
+        if r.val_coding == VAL_RAW:
+            raise FrameError(f"{where}: a sparse record must be reference-coded")
 
 
 def _read_streams(
@@ -288,19 +309,24 @@ def _read_streams(
     payload: memoryview,
 ) -> dict[int, np.ndarray]:
     expected: dict[int, int] = {}
+
+    def need(kind: int, n: int) -> None:
+        expected[kind] = expected.get(kind, 0) + n
+
     for r in records:
-        if r.pos_coding == POS_RICE:
-            expected[STREAM_RICE] = expected.get(STREAM_RICE, 0) + r.pos_len
-        elif r.pos_coding == POS_BITMAP:
-            expected[STREAM_BITMAP] = expected.get(STREAM_BITMAP, 0) + r.pos_len
-        for p in range(min(r.itemsize, MAX_ITEMSIZE)):
-            expected[STREAM_PLANE0 + p] = expected.get(STREAM_PLANE0 + p, 0) + r.value_count
+        if r.pos_coding == POS_DENSE:
+            for p in range(r.itemsize):
+                need(STREAM_PLANE0 + p, r.length)
+        else:
+            need(STREAM_RICE if r.pos_coding == POS_RICE else STREAM_BITMAP, r.pos_len)
+            need(STREAM_VALUES, r.val_len)
     kinds = [s.kind for s in streams]
     if len(set(kinds)) != len(kinds):
         raise FrameError(f"a stream kind appears twice: {kinds}")
     if sum(s.wire_len for s in streams) != len(payload):
         raise FrameError(
-            f"streams claim {sum(s.wire_len for s in streams)} bytes; {len(payload)} follow the tables"
+            f"streams claim {sum(s.wire_len for s in streams)} bytes; "
+            f"{len(payload)} follow the tables"
         )
     if sum(s.raw_len for s in streams) != header.raw_len:
         raise FrameError("stream sizes do not add up to the header's raw length")
@@ -318,58 +344,93 @@ def _read_streams(
     return out
 
 
-def _decode_positions(
+def _decode_sparse(
     records: list[RecordHeader], raw: dict[int, np.ndarray], layout: Layout
-) -> list[np.ndarray | None]:
-    result: list[np.ndarray | None] = [None] * len(records)
-    rice_ids = [i for i, r in enumerate(records) if r.pos_coding == POS_RICE]
-    if rice_ids:
-        rs = [records[i] for i in rice_ids]
-        src_len = np.array([r.pos_len for r in rs], np.int64)
-        src_off = np.zeros(len(rs), np.int64)
-        np.cumsum(src_len[:-1], out=src_off[1:])
+) -> list[SparseBatch]:
+    """Decode every sparse record's positions and coded values, one kernel call per width."""
+    ids = [i for i, r in enumerate(records) if r.pos_coding != POS_DENSE]
+    if not ids:
+        return []
+    empty = np.zeros(0, np.uint8)
+    rice_src = raw.get(STREAM_RICE, empty)
+    val_src = raw.get(STREAM_VALUES, empty)
+    # Stream offsets run over all sparse records in record order, whatever their width.
+    pos_off: dict[int, int] = {}
+    val_off: dict[int, int] = {}
+    rice_at = bitmap_at = val_at = 0
+    bitmaps: dict[int, np.ndarray] = {}
+    for i in ids:
+        r = records[i]
+        val_off[i] = val_at
+        val_at += r.val_len
+        if r.pos_coding == POS_RICE:
+            pos_off[i] = rice_at
+            rice_at += r.pos_len
+        else:
+            packed = raw[STREAM_BITMAP][bitmap_at : bitmap_at + r.pos_len]
+            bitmap_at += r.pos_len
+            bits = np.unpackbits(packed, bitorder="little")
+            if bits[r.length :].any():
+                raise FrameError(f"record {i}: bitmap padding bits are not zero")
+            found = np.flatnonzero(bits[: r.length])
+            if found.size != r.changed:
+                raise FrameError(
+                    f"record {i}: bitmap marks {found.size} elements, header says {r.changed}"
+                )
+            pos_off[i] = -1
+            bitmaps[i] = found
+    batches = []
+    for itemsize in sorted({records[i].itemsize for i in ids}):
+        group = [i for i in ids if records[i].itemsize == itemsize]
+        rs = [records[i] for i in group]
         counts = np.array([r.changed for r in rs], np.int64)
         out_off = np.zeros(len(rs), np.int64)
         np.cumsum(counts[:-1], out=out_off[1:])
-        out = np.empty(int(counts.sum()), np.int64)
+        positions = np.empty(int(counts.sum()), np.int64)
+        for j, i in enumerate(group):
+            if i in bitmaps:
+                positions[out_off[j] : out_off[j] + counts[j]] = bitmaps[i]
+        zval = np.empty(int(counts.sum()), np.uint64)
         errors = np.zeros(len(rs), np.int64)
-        kernels.rice_decode(
-            raw[STREAM_RICE], src_off, src_len, counts,
-            np.array([r.rice_k for r in rs], np.int64),
-            np.array([r.length for r in rs], np.int64),
-            out, out_off, errors,
+        kernels.decode_sparse(
+            itemsize * 8,
+            rice_src, np.array([pos_off[i] for i in group], np.int64),
+            np.array([r.pos_len for r in rs], np.int64), np.array([r.pos_k for r in rs], np.int64),
+            val_src, np.array([val_off[i] for i in group], np.int64),
+            np.array([r.val_len for r in rs], np.int64), np.array([r.val_k for r in rs], np.int64),
+            counts, np.array([r.length for r in rs], np.int64), out_off, positions, zval, errors,
         )  # fmt: skip
-        for j, i in enumerate(rice_ids):
-            if errors[j]:
-                name = layout.tensors[records[i].tensor_id].name
-                raise FrameError(f"record {i} ({name!r}): {kernels.RICE_ERRORS[int(errors[j])]}")
-            result[i] = out[out_off[j] : out_off[j] + counts[j]]
-    off = 0
-    for i, r in enumerate(records):
-        if r.pos_coding != POS_BITMAP:
-            continue
-        packed = raw[STREAM_BITMAP][off : off + r.pos_len]
-        off += r.pos_len
-        bits = np.unpackbits(packed, bitorder="little")
-        if bits[r.length :].any():
-            raise FrameError(f"record {i}: bitmap padding bits are not zero")
-        found = np.flatnonzero(bits[: r.length])
-        if found.size != r.changed:
-            raise FrameError(f"record {i}: bitmap marks {found.size} elements, header says {r.changed}")
-        result[i] = found
-    return result
+        bad = np.flatnonzero(errors)
+        if bad.size:
+            j = int(bad[0])
+            name = layout.tensors[rs[j].tensor_id].name
+            raise FrameError(f"record {group[j]} ({name!r}): {kernels.ERRORS[int(errors[j])]}")
+        batches.append(
+            SparseBatch(
+                itemsize,
+                np.array([r.tensor_id for r in rs], np.int64),
+                np.array([r.start for r in rs], np.int64),
+                counts,
+                out_off,
+                positions,
+                zval,
+            )  # fmt: skip
+        )
+    return batches
 
 
-def _split_values(records: list[RecordHeader], raw: dict[int, np.ndarray]) -> list[np.ndarray]:
+def _split_planes(
+    records: list[RecordHeader], raw: dict[int, np.ndarray]
+) -> list[tuple[RecordHeader, np.ndarray]]:
     cursor = dict.fromkeys(raw, 0)
-    values = []
+    out = []
     for r in records:
-        n = r.value_count
-        planes = np.empty((r.itemsize, n), np.uint8)
+        if r.pos_coding != POS_DENSE:
+            continue
+        planes = np.empty((r.itemsize, r.length), np.uint8)
         for p in range(r.itemsize):
             kind = STREAM_PLANE0 + p
-            if n:
-                planes[p] = raw[kind][cursor[kind] : cursor[kind] + n]
-                cursor[kind] += n
-        values.append(from_planes(planes, np.dtype(f"<u{r.itemsize}")))
-    return values
+            planes[p] = raw[kind][cursor[kind] : cursor[kind] + r.length]
+            cursor[kind] += r.length
+        out.append((r, from_planes(planes, np.dtype(f"<u{r.itemsize}"))))
+    return out

@@ -3,11 +3,11 @@
 The work is done in waves of whole tensors of about ``chunk_bytes`` model bytes, so the
 first chunk can be sent while later tensors are still being diffed:
 
-    1) diff every item (tensor range) of the wave in parallel (kernels.diff_items);
-    2) choose each tensor's position coding from its changed ratio and exact coded sizes;
-    3) Rice-code the positions of sparse items in parallel; code values against the reference;
-    4) pack records into chunks of at most chunk_bytes before compression, zstd the planes,
-       checksum, yield.
+    1) hash every tensor of the wave (the manifest's xxh3-128);
+    2) diff, code and Rice-write every item (tensor range) in parallel (kernels.encode_sparse);
+    3) choose each tensor's position coding from its changed ratio and exact coded sizes;
+    4) pack records into chunks of at most chunk_bytes before compression, zstd the byte
+       planes of dense records, checksum, yield.
 
 The reference must be exactly what the receivers hold (DESIGN.md: the last transmitted
 version, never the trainer's previous step if it was not delivered). The encoder does not
@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from deltarl.codecs import kernels
@@ -37,8 +38,10 @@ from deltarl.codecs.frame import (
     STREAM_BITMAP,
     STREAM_PLANE0,
     STREAM_RICE,
+    STREAM_VALUES,
     VAL_ORDERED_DELTA,
     VAL_RAW,
+    VAL_XOR,
     FrameHeader,
     RecordHeader,
     StreamHeader,
@@ -67,12 +70,14 @@ class Chunk:
 @dataclass
 class _Record:
     header: RecordHeader
-    pos: bytes | memoryview  # Rice bytes or bitmap bytes (empty for dense)
-    values: np.ndarray  # coded values, uintN
+    pos: bytes | memoryview = b""  # Rice or bitmap bytes (sparse records)
+    vals: bytes | memoryview = b""  # Rice-coded values (sparse records)
+    planes: np.ndarray | None = None  # coded values to split into byte planes (dense records)
 
     @property
     def raw_bytes(self) -> int:
-        return RECORD.size + len(self.pos) + self.values.nbytes
+        dense = 0 if self.planes is None else self.planes.nbytes
+        return RECORD.size + len(self.pos) + len(self.vals) + dense
 
 
 @dataclass
@@ -87,10 +92,9 @@ class _TensorTally:
 class EncodeTimings:
     """Seconds spent in each stage of one version's encoding (for benchmarks and logs)."""
 
-    diff_s: float = 0.0
-    code_s: float = 0.0
-    compress_s: float = 0.0
     checksum_s: float = 0.0
+    diff_code_s: float = 0.0
+    pack_s: float = 0.0
 
 
 @dataclass
@@ -103,6 +107,31 @@ class VersionEncoding:
 
     def __iter__(self) -> Iterator[Chunk]:
         return self._chunks
+
+
+@dataclass
+class _Scratch:
+    """Output arrays of the sparse kernel, sized for the worst case, reused across versions.
+
+    Worst cases per element of an item: one position (uint32) and one coded value;
+    a Rice-coded gap costs at most 64 bits (unary < 32 plus k < 32, or the 32-bit escape plus
+    32 bits), a coded value at most twice its width (escape plus the value). Pages that are
+    never written are never committed, so the reservation costs address space, not memory.
+    """
+
+    pos: np.ndarray
+    zval: np.ndarray
+    pos_dst: np.ndarray
+    val_dst: np.ndarray
+
+    @classmethod
+    def sized(cls, elems: int, itemsize: int) -> _Scratch:
+        return cls(
+            np.empty(elems, np.uint32),
+            np.empty(elems, np.uint64),
+            np.empty(elems * 8 + 8, np.uint8),
+            np.empty(elems * 2 * itemsize + 8, np.uint8),
+        )
 
 
 class DeltaEncoder:
@@ -122,17 +151,18 @@ class DeltaEncoder:
             raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
         if not 0.0 <= dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must lie in [0, 1], got {dense_threshold}")
-        if value_coding == VAL_RAW:
-            raise ValueError("deltas are coded against the reference; raw is for full versions")
+        if value_coding not in (VAL_ORDERED_DELTA, VAL_XOR):
+            raise ValueError("deltas are coded against the reference (ordered-delta or xor)")
         self.layout = layout
         self.chunk_bytes = chunk_bytes
         self.dense_threshold = dense_threshold
         self.value_coding = value_coding
         self._compressor = PlaneCompressor(level)
-        # An item's raw coded size is at most its model bytes plus a record header (see
-        # _Record); items of at most a quarter chunk keep packing slack small.
-        self.item_elems = max(64, min(item_elems, chunk_bytes // 4 // 8 // 8 * 8))
-        self._scratch: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # A record's raw size is at most ~2.3x its model bytes (worst-case Rice); items of at
+        # most a quarter chunk of 8-byte elements keep every record well inside one chunk.
+        # Multiples of 64 elements keep item starts word-aligned for the kernels.
+        self.item_elems = max(64, min(item_elems, chunk_bytes // 4 // 8 // 64 * 64))
+        self._scratch: dict[int, _Scratch] = {}
 
     # -- public -----------------------------------------------------------------------------
 
@@ -178,13 +208,11 @@ class DeltaEncoder:
         entries: list[ChunkEntry] = []
         pending: list[_Record] = []
         pending_bytes = 0
-        next_id = 0
 
         def flush() -> Chunk:
-            nonlocal pending, pending_bytes, next_id
-            chunk = self._build_chunk(enc, kind, base, target, next_id, pending, tallies)
+            nonlocal pending, pending_bytes
+            chunk = self._build_chunk(enc, kind, base, target, len(entries), pending, tallies)
             entries.append(ChunkEntry(chunk.chunk_id, len(chunk.data), chunk.checksum))
-            next_id += 1
             pending, pending_bytes = [], 0
             return chunk
 
@@ -256,9 +284,9 @@ class DeltaEncoder:
             if ref is None:
                 records.extend(self._full_records(tids, cur, tallies))
             else:
-                records.extend(self._delta_records(enc, itemsize, tids, cur, ref, tallies))
-        enc.timings.code_s += time.perf_counter() - t1
+                records.extend(self._delta_records(itemsize, tids, cur, ref, tallies))
         records.sort(key=lambda r: (r.header.tensor_id, r.header.start))
+        enc.timings.diff_code_s += time.perf_counter() - t1
         return records
 
     def _items(self, tids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -288,97 +316,88 @@ class DeltaEncoder:
         for tid, s, n, loc in zip(owner, starts, lengths, local, strict=True):
             t = tallies[tid]
             t.coding, t.changed = "raw", t.changed + int(n)
-            yield _Record(
-                RecordHeader(int(tid), POS_DENSE, VAL_RAW, bits.itemsize, 0, int(loc), int(n), int(n), 0),
-                b"",
-                flat[s : s + n],
+            header = RecordHeader(
+                int(tid), POS_DENSE, VAL_RAW, bits.itemsize, 0, 0, int(loc), int(n), int(n), 0, 0
             )
+            yield _Record(header, planes=flat[s : s + n])
 
-    def _scratch_for(self, itemsize: int, total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Reusable output arrays of at least ``total`` entries (pages are touched lazily)."""
+    def _scratch_for(self, itemsize: int, elems: int) -> _Scratch:
         have = self._scratch.get(itemsize)
-        if have is None or have[0].shape[0] < total:
-            bits = np.dtype(f"<u{itemsize}")
-            have = (np.empty(total, np.uint32), np.empty(total, bits), np.empty(total, bits))
+        if have is None or have.pos.shape[0] < elems:
+            have = _Scratch.sized(elems, itemsize)
             self._scratch[itemsize] = have
         return have
 
     def _delta_records(
         self,
-        enc: VersionEncoding,
         itemsize: int,
         tids: list[int],
         cur: np.ndarray,
         ref: np.ndarray,
         tallies: list[_TensorTally],
     ) -> list[_Record]:
-        t0 = time.perf_counter()
         owner, starts, lengths, local = self._items(tids)
-        out_off = np.zeros(len(starts), np.int64)
+        n_items = len(starts)
+        out_off = np.zeros(n_items, np.int64)
         np.cumsum(lengths[:-1], out=out_off[1:])
-        total = int(lengths.sum())
-        pos, new_vals, old_vals = self._scratch_for(itemsize, total)
-        counts = np.zeros(len(starts), np.int64)
+        sc = self._scratch_for(itemsize, int(lengths.sum()))
+        pos_cap = out_off * 8
+        val_cap = out_off * 2 * itemsize
+        counts, pos_k, val_k, pos_len, val_len = (np.zeros(n_items, np.int64) for _ in range(5))
         bits = np.dtype(f"<u{itemsize}")
-        kernels.diff_items(
+        is_float = dtype_of(self.layout.tensors[tids[0]].dtype).kind == "float"
+        kernels.encode_sparse(
             ref.view(bits), cur.view(bits), ref.view(np.uint64), cur.view(np.uint64),
-            starts, lengths, out_off, pos, new_vals, old_vals, counts,
+            starts, lengths, out_off, sc.pos, sc.zval, self.value_coding, is_float,
+            sc.pos_dst, pos_cap, sc.val_dst, val_cap, counts, pos_k, val_k, pos_len, val_len,
         )  # fmt: skip
-        t1 = time.perf_counter()
-        enc.timings.diff_s += t1 - t0
-        enc.timings.code_s -= t1 - t0  # the caller times the whole wave; the diff is its own
 
         # Position coding per tensor: dense past the threshold, else the smaller of Rice and
         # a bitmap by exact size (Rice wins for scattered changes, bitmaps for long runs).
-        ks = np.zeros(len(starts), np.int64)
-        nbytes = np.zeros(len(starts), np.int64)
-        kernels.rice_plan(pos, out_off, counts, ks, nbytes)
         coding: dict[int, int] = {}
         for tid in tids:
             mask = owner == tid
             changed = int(counts[mask].sum())
-            spec = self.layout.tensors[tid]
             tallies[tid].changed = changed
             if changed == 0:
                 continue
-            if changed > self.dense_threshold * spec.numel:
+            if changed > self.dense_threshold * self.layout.tensors[tid].numel:
                 coding[tid] = POS_DENSE
-            elif int(nbytes[mask].sum()) > int(((lengths[mask] + 7) // 8).sum()):
+            elif int(pos_len[mask].sum()) > int(((lengths[mask] + 7) // 8).sum()):
                 coding[tid] = POS_BITMAP
             else:
                 coding[tid] = POS_RICE
             tallies[tid].coding = POS_NAMES[coding[tid]]
 
-        rice_off = np.zeros(len(starts), np.int64)
-        np.cumsum(nbytes[:-1], out=rice_off[1:])
-        rice = np.zeros(int(nbytes.sum()), np.uint8)
-        kernels.rice_encode(pos, out_off, counts, ks, rice, rice_off)
-
-        is_float = dtype_of(self.layout.tensors[tids[0]].dtype).kind == "float"
         cur_flat, ref_flat = cur.view(bits), ref.view(bits)
         records: list[_Record] = []
-        for i in range(len(starts)):
+        for i in range(n_items):
             tid, n, c = int(owner[i]), int(lengths[i]), int(counts[i])
             pc = coding.get(tid)
             if pc is None or (c == 0 and pc != POS_DENSE):
                 continue  # an absent record means an unchanged range
             s, o = int(starts[i]), int(out_off[i])
+            head = dict(tensor_id=tid, pos_coding=pc, val_coding=self.value_coding,
+                        itemsize=itemsize, start=int(local[i]), length=n, changed=c)  # fmt: skip
             if pc == POS_DENSE:
-                new, old, posb = cur_flat[s : s + n], ref_flat[s : s + n], b""
+                values = encode_values(cur_flat[s : s + n], ref_flat[s : s + n],
+                                       self.value_coding, is_float)  # fmt: skip
+                header = RecordHeader(**head, pos_k=0, val_k=0, pos_len=0, val_len=0)
+                records.append(_Record(header, planes=values))
+                continue
+            # Copies, not views: the next wave reuses the scratch while these records wait
+            # in a chunk that is not yet full.
+            vals = sc.val_dst[val_cap[i] : val_cap[i] + val_len[i]].tobytes()
+            if pc == POS_RICE:
+                posb = sc.pos_dst[pos_cap[i] : pos_cap[i] + pos_len[i]].tobytes()
+                k = int(pos_k[i])
             else:
-                new, old = new_vals[o : o + c], old_vals[o : o + c]
-                if pc == POS_RICE:
-                    posb = rice[rice_off[i] : rice_off[i] + nbytes[i]].data
-                else:
-                    mask = np.zeros(n, np.bool_)
-                    mask[pos[o : o + c]] = True
-                    posb = np.packbits(mask, bitorder="little").tobytes()
-            values = encode_values(new, old, self.value_coding, is_float)
-            header = RecordHeader(
-                tid, pc, self.value_coding, itemsize, int(ks[i]) if pc == POS_RICE else 0,
-                int(local[i]), n, c, len(posb),
-            )  # fmt: skip
-            records.append(_Record(header, posb, values))
+                mask = np.zeros(n, np.bool_)
+                mask[sc.pos[o : o + c]] = True
+                posb, k = np.packbits(mask, bitorder="little").tobytes(), 0
+            header = RecordHeader(**head, pos_k=k, val_k=int(val_k[i]),
+                                  pos_len=len(posb), val_len=len(vals))  # fmt: skip
+            records.append(_Record(header, pos=posb, vals=vals))
         return records
 
     def _build_chunk(
@@ -394,26 +413,29 @@ class DeltaEncoder:
         t0 = time.perf_counter()
         table = b"".join(r.header.pack() for r in records)
         raw_streams: list[tuple[int, bytes | memoryview]] = []
-        rice = [r.pos for r in records if r.header.pos_coding == POS_RICE]
-        if rice:
-            raw_streams.append((STREAM_RICE, b"".join(rice)))
-        bitmaps = [r.pos for r in records if r.header.pos_coding == POS_BITMAP]
-        if bitmaps:
-            raw_streams.append((STREAM_BITMAP, b"".join(bitmaps)))
-        planes = [to_planes(r.values) for r in records]
-        widest = max((r.header.itemsize for r in records), default=0)
-        for p in range(widest):
-            parts = [pl[p] for pl, r in zip(planes, records, strict=True) if r.header.itemsize > p]
+        for skind, parts in (
+            (STREAM_RICE, [r.pos for r in records if r.header.pos_coding == POS_RICE]),
+            (STREAM_BITMAP, [r.pos for r in records if r.header.pos_coding == POS_BITMAP]),
+            (STREAM_VALUES, [r.vals for r in records if r.vals]),
+        ):
+            if parts:
+                raw_streams.append((skind, b"".join(parts)))
+        dense = [r for r in records if r.planes is not None]
+        planes = [to_planes(r.planes) for r in dense if r.planes is not None]
+        for p in range(max((r.header.itemsize for r in dense), default=0)):
+            parts = [pl[p] for pl, r in zip(planes, dense, strict=True) if r.header.itemsize > p]
             raw_streams.append((STREAM_PLANE0 + p, b"".join(memoryview(x) for x in parts)))
 
+        # Rice streams are near their entropy already; only bitmaps and planes go to zstd.
         streams: list[tuple[StreamHeader, bytes | memoryview]] = []
         ratio: dict[int, float] = {}
         for skind, raw in raw_streams:
-            comp, wire = self._compressor.compress(raw)
+            if skind in (STREAM_RICE, STREAM_VALUES):
+                comp, wire = 0, raw
+            else:
+                comp, wire = self._compressor.compress(raw)
             streams.append((StreamHeader(skind, comp, len(raw), len(wire)), wire))
             ratio[skind] = len(wire) / max(1, len(raw))
-        t1 = time.perf_counter()
-        enc.timings.compress_s += t1 - t0
 
         stream_table = b"".join(h.pack() for h, _ in streams)
         body_parts: list[bytes | memoryview] = [table, stream_table, *(w for _, w in streams)]
@@ -426,17 +448,20 @@ class DeltaEncoder:
         prefix = header.pack_prefix()
         checksum = chunk_checksum([prefix, *body_parts])
         data = b"".join([prefix, checksum.to_bytes(8, "little"), *body_parts])
-        assert len(data) == HEADER_SIZE + body_len
 
-        # Attribute wire bytes to tensors: exact for Rice (stored raw), pro rata otherwise.
+        # Attribute wire bytes to tensors: exact for Rice streams (stored raw), pro rata for
+        # zstd streams, and the chunk's fixed overhead shared equally among its records.
         overhead = (HEADER_SIZE + len(stream_table)) / max(1, len(records))
         for r in records:
             h = r.header
-            pos_kind = STREAM_RICE if h.pos_coding == POS_RICE else STREAM_BITMAP
-            share = RECORD.size + overhead + len(r.pos) * ratio.get(pos_kind, 1.0)
-            share += sum(ratio[STREAM_PLANE0 + p] * r.values.size for p in range(h.itemsize))
+            share = RECORD.size + overhead + len(r.vals)
+            share += len(r.pos) * (
+                ratio.get(STREAM_BITMAP, 1.0) if h.pos_coding == POS_BITMAP else 1.0
+            )
+            if r.planes is not None:
+                share += sum(ratio[STREAM_PLANE0 + p] * r.planes.size for p in range(h.itemsize))
             tallies[h.tensor_id].wire_bytes += share
-        enc.timings.checksum_s += time.perf_counter() - t1
+        enc.timings.pack_s += time.perf_counter() - t0
         return Chunk(chunk_id, data, checksum, len(records))
 
     def _check_buffer(self, what: str, buf: np.ndarray) -> None:
@@ -448,4 +473,3 @@ class DeltaEncoder:
         if buf.ctypes.data % 8:
             # the diff reads 64-bit words; tensor offsets are aligned relative to the buffer
             raise ValueError(f"the {what} buffer must be 8-byte aligned")
-

@@ -36,7 +36,9 @@ def empirical_entropy_bits(symbols: np.ndarray) -> float:
     return float(-(freq * np.log2(p)).sum())
 
 
-def iid_bound_bytes_per_change(layout: Layout, ref: np.ndarray, cur: np.ndarray) -> tuple[int, float]:
+def iid_bound_bytes_per_change(
+    layout: Layout, ref: np.ndarray, cur: np.ndarray
+) -> tuple[int, float]:
     """(changed elements, bound in bytes per changed element) for the delta ref -> cur."""
     total = layout.numel
     changed = 0
@@ -46,7 +48,7 @@ def iid_bound_bytes_per_change(layout: Layout, ref: np.ndarray, cur: np.ndarray)
         a, b = layout.view(ref, i), layout.view(cur, i)
         diff = a != b
         if diff.any():
-            by_size.setdefault(spec.itemsize, []).append((a[diff] ^ b[diff]))
+            by_size.setdefault(spec.itemsize, []).append(a[diff] ^ b[diff])
     for parts in by_size.values():
         xor = np.concatenate(parts)
         changed += xor.size

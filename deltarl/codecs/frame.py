@@ -17,9 +17,10 @@ Every chunk is independently decodable and self-describing. All integers are lit
      48  raw_len      u64  decoded size of all streams (bounded by MAX_RAW_BYTES)
      56  checksum     u64  xxh3-64 of header[0:56] + body: the chunk's wire bytes
 
-    record table: n_records x RECORD (40 bytes), one per tensor range
-      tensor_id u32 | pos_coding u8 | val_coding u8 | itemsize u8 | rice_k u8
-      start u64 | length u64 | changed u64 | pos_len u64
+    record table: n_records x RECORD (52 bytes), one per tensor range
+      tensor_id u32 | pos_coding u8 | val_coding u8 | itemsize u8 | pos_k u8 | val_k u8
+      reserved u8 | reserved u16 | start u64 | length u64 | changed u64 | pos_len u64
+      val_len u64
 
     stream table: n_streams x STREAM (24 bytes)
       kind u8 | compression u8 | reserved u16 | reserved u32 | raw_len u64 | wire_len u64
@@ -27,13 +28,16 @@ Every chunk is independently decodable and self-describing. All integers are lit
     streams: the payloads, in table order
 
 Streams (each kind at most once per chunk):
-- STREAM_RICE: the Rice-coded position gaps of every POS_RICE record, each record's part
-  byte-aligned and ``pos_len`` bytes long, in record order;
+- STREAM_RICE: the Rice-coded position gaps (parameter pos_k) of every POS_RICE record, each
+  record's part byte-aligned and ``pos_len`` bytes long, in record order;
 - STREAM_BITMAP: the little-endian bitmaps of every POS_BITMAP record, ceil(length/8) bytes each;
-- STREAM_PLANE0 + p: byte p of the coded values of every record whose itemsize exceeds p,
-  in record order (byte planes: bytes of equal significance together compress far better).
+- STREAM_VALUES: the Rice-coded values (parameter val_k; each coded value minus one, since a
+  changed element never codes to zero) of every POS_RICE and POS_BITMAP record, ``val_len``
+  bytes each, in record order (kernels.py describes the code and its escape);
+- STREAM_PLANE0 + p: byte p of the coded values of every POS_DENSE record whose itemsize
+  exceeds p, in record order (byte planes: bytes of equal significance compress far better).
 
-A record's value count is ``changed`` for POS_RICE/POS_BITMAP and ``length`` for POS_DENSE.
+Sparse records carry ``changed`` values in STREAM_VALUES; dense ones ``length`` in the planes.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ KIND_FULL = 2
 KIND_NAMES = {KIND_DELTA: "delta", KIND_FULL: "full"}
 
 # Position codings: how a record says which elements it carries.
-POS_RICE = 1  # gaps between changed positions, Golomb-Rice coded with parameter rice_k
+POS_RICE = 1  # gaps between changed positions, Golomb-Rice coded with parameter pos_k
 POS_BITMAP = 2  # one bit per element of the range
 POS_DENSE = 3  # every element of the range
 POS_NAMES = {POS_RICE: "rice", POS_BITMAP: "bitmap", POS_DENSE: "dense"}
@@ -67,6 +71,7 @@ COMP_ZSTD = 1
 
 STREAM_RICE = 1
 STREAM_BITMAP = 2
+STREAM_VALUES = 3
 STREAM_PLANE0 = 8  # STREAM_PLANE0 + p for byte plane p (0 <= p < 8)
 
 # A decoder never allocates more than this for one chunk, whatever the frame claims.
@@ -74,12 +79,12 @@ MAX_RAW_BYTES = 1 << 31
 MAX_ITEMSIZE = 8
 
 HEADER = struct.Struct("<4sHBBqqIIIIQQQ")
-RECORD = struct.Struct("<IBBBBQQQQ")
+RECORD = struct.Struct("<IBBBBBBHQQQQQ")
 STREAM = struct.Struct("<BBHIQQ")
 HEADER_SIZE = HEADER.size
 CHECKSUM_OFFSET = HEADER_SIZE - 8
 
-assert HEADER_SIZE == 64 and RECORD.size == 40 and STREAM.size == 24
+assert (HEADER_SIZE, RECORD.size, STREAM.size) == (64, 52, 24)
 
 
 class FrameError(ValueError):
@@ -138,7 +143,9 @@ class FrameHeader:
         if magic != MAGIC:
             raise FrameError(f"not a deltarl frame: magic {bytes(magic)!r}, expected {MAGIC!r}")
         if fmt != FORMAT_VERSION:
-            raise FrameError(f"frame format {fmt} is not supported (this build reads {FORMAT_VERSION})")
+            raise FrameError(
+                f"frame format {fmt} is not supported (this build reads {FORMAT_VERSION})"
+            )
         if kind not in KIND_NAMES:
             raise FrameError(f"unknown frame kind {kind}")
         if flags or reserved:
@@ -146,11 +153,15 @@ class FrameHeader:
         if kind == KIND_FULL and base != NO_BASE:
             raise FrameError(f"a full frame names base version {base}; it must name none")
         if kind == KIND_DELTA and not 0 <= base < target:
-            raise FrameError(f"delta frame from version {base} to {target}: the base must precede it")
+            raise FrameError(
+                f"delta frame from version {base} to {target}: the base must precede it"
+            )
         if target < 0:
             raise FrameError(f"negative target version {target}")
         if raw_len > MAX_RAW_BYTES:
-            raise FrameError(f"frame claims {raw_len} decoded bytes, over the {MAX_RAW_BYTES} limit")
+            raise FrameError(
+                f"frame claims {raw_len} decoded bytes, over the {MAX_RAW_BYTES} limit"
+            )
         return cls(kind, base, target, chunk_id, n_records, n_streams, body_len, raw_len, checksum)
 
 
@@ -162,15 +173,13 @@ class RecordHeader:
     pos_coding: int
     val_coding: int
     itemsize: int
-    rice_k: int
+    pos_k: int
+    val_k: int
     start: int
     length: int
     changed: int
     pos_len: int
-
-    @property
-    def value_count(self) -> int:
-        return self.length if self.pos_coding == POS_DENSE else self.changed
+    val_len: int
 
     def pack(self) -> bytes:
         return RECORD.pack(
@@ -178,12 +187,23 @@ class RecordHeader:
             self.pos_coding,
             self.val_coding,
             self.itemsize,
-            self.rice_k,
+            self.pos_k,
+            self.val_k,
+            0,
+            0,
             self.start,
             self.length,
             self.changed,
             self.pos_len,
+            self.val_len,
         )
+
+    @classmethod
+    def unpack_from(cls, buf: memoryview, offset: int) -> RecordHeader:
+        f = RECORD.unpack_from(buf, offset)
+        if f[6] or f[7]:
+            raise FrameError(f"record at byte {offset}: reserved fields are not zero")
+        return cls(*f[:6], *f[8:])
 
 
 @dataclass(frozen=True)

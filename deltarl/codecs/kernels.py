@@ -1,65 +1,302 @@
-"""Compiled kernels for the two jobs that numpy cannot do at memory speed.
+"""Compiled kernels for the work that has to run at memory speed.
 
-1. The bitwise diff. ``torch.ne`` + ``nonzero`` makes several full passes and runs at about a
-   tenth of memcpy here; the diff has to read the reference and the current version once,
-   compare them a 64-bit word at a time (four bf16 values), and only look at elements inside
-   a word that differs. It runs over many independent items (tensor ranges) in parallel.
-2. Golomb-Rice coding of the gaps between changed positions. It is a sequential bit-level
-   loop per item, which is what interpreters are worst at; items are coded in parallel.
+``encode_sparse`` does, in one pass per item (a range of one tensor), what would otherwise be
+five: it diffs the reference and the current version, codes each changed value against the
+reference, and writes two Golomb-Rice bit streams, one for the gaps between changed
+positions and one for the coded values. ``torch.ne`` + ``nonzero`` alone makes several full
+passes and runs at about a tenth of memcpy here. For 2-byte elements (bf16, fp16: the main
+case) the diff builds a 64-bit mask of changed elements per 64 elements from whole words
+without branches, then visits only the set bits; other widths compare word by word.
 
-Each item writes only into its own region of the output arrays (region ``i`` starts at
-``out_off[i]`` and is as long as the item), so parallel items never share a cache line of
-output except at region edges, and no item's result depends on another's.
+``decode_sparse`` reads the two streams back into positions and coded values, validating
+as it goes; ``scatter_sparse`` then writes the new bits. Decoding and writing are separate
+so that a bad frame is refused before anything is written.
 
-Error handling: kernels never raise (numba's parallel loops cannot carry a message); the
-decoder kernels write an error code per item, and Python turns it into a FrameError that
-names the record.
+Items run in parallel (numba prange). Item ``i`` writes only into its own regions of the
+output arrays, whose offsets the caller gives, so items never depend on each other.
+
+Kernels never raise (a parallel loop cannot carry a message): decoders write an error code
+per item, and Python turns it into a FrameError naming the record.
+
+Rice code of an unsigned n with parameter k, bits packed least-significant first:
+q = n >> k; if q < ESCAPE: q zero bits, a one bit, the k low bits of n; else ESCAPE zero
+bits and then n in full width. The escape bounds the cost of an outlier (a sign flip, a
+tensor that was reset) at ESCAPE + width bits instead of 2**width. Each item's stream is
+byte-aligned and its last byte is padded with zero bits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
-# Error codes of rice_decode, per record.
-RICE_OK = 0
-RICE_EXHAUSTED = 1  # the stream ended before every position was decoded
-RICE_OUT_OF_RANGE = 2  # a decoded position lies beyond the record's range
-RICE_TRAILING = 3  # bytes left over after the last position
-RICE_PADDING = 4  # the last byte's padding bits are not zero
-RICE_ERRORS = {
-    RICE_EXHAUSTED: "the position stream ends before all changed positions were decoded",
-    RICE_OUT_OF_RANGE: "a decoded position lies outside the record's range",
-    RICE_TRAILING: "the position stream has bytes left over after the last position",
-    RICE_PADDING: "the position stream's padding bits are not zero",
+# Value codings, as in frame.py (kept as plain ints for the compiled code).
+_ORDERED_DELTA = 1
+_XOR = 2
+
+POSITION_WIDTH = 32  # positions are relative to the item start, and an item is < 2**32 long
+
+# Error codes of decode_sparse, per record.
+OK = 0
+EXHAUSTED = 1
+OUT_OF_RANGE = 2
+TRAILING = 3
+PADDING = 4
+BAD_VALUE = 5
+ERRORS = {
+    EXHAUSTED: "a bit stream ends before all changed elements were decoded",
+    OUT_OF_RANGE: "a decoded position lies outside the record's range or does not ascend",
+    TRAILING: "a bit stream has bytes left over after the last element",
+    PADDING: "a bit stream's padding bits are not zero",
+    BAD_VALUE: "a decoded value does not fit the element width or codes no change",
 }
 
+_U0 = np.uint64(0)
+_U1 = np.uint64(1)
+_U8 = np.uint64(8)
+_BYTE = np.uint64(0xFF)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+# For 16-bit lanes: the top bit of every nonzero lane, then those four bits gathered.
+_LO15 = np.uint64(0x7FFF7FFF7FFF7FFF)
+_HI15 = np.uint64(0x8000800080008000)
+_GATHER4 = np.uint64(1 + (1 << 15) + (1 << 30) + (1 << 45))
 
-@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def diff_items(  # noqa: ANN201 - numba kernels are typed by their arguments
-    ref,  # noqa: ANN001 - flat uintN view of the reference buffer
-    cur,  # noqa: ANN001 - flat uintN view of the current buffer
-    refw,  # noqa: ANN001 - the same reference bytes as uint64 words
-    curw,  # noqa: ANN001 - the same current bytes as uint64 words
-    starts,  # noqa: ANN001 - int64[n]: first element of each item, in units of the itemsize
-    lengths,  # noqa: ANN001 - int64[n]: elements in each item
-    out_off,  # noqa: ANN001 - int64[n]: start of each item's output region
-    pos,  # noqa: ANN001 - uint32[total]: changed positions, relative to the item's start
-    new_vals,  # noqa: ANN001 - uintN[total]: current bits at those positions
-    old_vals,  # noqa: ANN001 - uintN[total]: reference bits at those positions
-    counts,  # noqa: ANN001 - int64[n]: changed elements per item (output)
-):
-    """Find every element whose bits differ; write positions and both values per item.
 
-    Items must start on an 8-byte boundary (tensor offsets are 64-byte aligned and item
-    starts are multiples of the item size), so ``starts * itemsize / 8`` is a word index.
+def rice_escape(width: int) -> int:
+    """Unary length at which a value is written in full instead (as in the kernels)."""
+    return width
+
+
+# -- value coding (the compiled twin of values.py, one element at a time) --------------------
+
+
+@njit(inline="always")
+def _order(x, sign_shift, magnitude, is_float):  # noqa: ANN001, ANN202
+    if is_float:
+        return x ^ ((x >> sign_shift) * magnitude)
+    return x
+
+
+@njit(inline="always")
+def _code_value(new, old, coding, sign_shift, magnitude, mask, is_float):  # noqa: ANN001, ANN202
+    if coding == _XOR:
+        return (new ^ old) & mask
+    d = (
+        _order(new, sign_shift, magnitude, is_float) - _order(old, sign_shift, magnitude, is_float)
+    ) & mask
+    return ((d << _U1) ^ (_U0 - (d >> sign_shift))) & mask
+
+
+@njit(inline="always")
+def _decode_value(z, old, coding, sign_shift, magnitude, mask, is_float):  # noqa: ANN001, ANN202
+    if coding == _XOR:
+        return (z ^ old) & mask
+    d = ((z >> _U1) ^ (_U0 - (z & _U1))) & mask
+    o = (_order(old, sign_shift, magnitude, is_float) + d) & mask
+    return _order(o, sign_shift, magnitude, is_float)
+
+
+# -- Rice parameter choice ---------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _rice_choose(vals, o, n, escape, width, gaps):  # noqa: ANN001, ANN202
+    """The best Rice parameter for these numbers.
+
+    One pass buckets the numbers by bit length (count and sum per bucket), from which the
+    cost of every k is estimated. A mean-based guess is not enough: a few outliers (a sign
+    flip among +-1 ulp steps) would inflate k for every other value.
     """
-    lanes = 8 // ref.itemsize
-    for i in prange(starts.shape[0]):
-        s = starts[i]
-        n = lengths[i]
-        o = out_off[i]
-        c = 0
+    count = np.zeros(65, np.int64)
+    total = np.zeros(65, np.float64)
+    prev = np.int64(-1)
+    for j in range(n):
+        if gaps:
+            p = np.int64(vals[o + j])
+            x = np.uint64(p - prev - 1)
+            prev = p
+        else:
+            x = np.uint64(vals[o + j]) - _U1
+        length = 0 if x == _U0 else 64 - leading_zeros(x)
+        count[length] += 1
+        total[length] += float(x)
+    best_k = 0
+    best = -1.0
+    for k in range(width):
+        cost = 0.0
+        for length in range(65):
+            c = count[length]
+            if c == 0:
+                continue
+            # unary + terminator + k bits, at most the escape's cost
+            cost += min(c * (1 + k) + total[length] / 2.0**k, c * (escape + width))
+        if best < 0 or cost < best:
+            best = cost
+            best_k = k
+    return best_k
+
+
+# -- bit writing and reading -------------------------------------------------------------------
+# Writer state: (d, acc, nacc): next byte to write, pending bits, their count (< 32 between
+# calls). Reader state: (r, acc, nacc): next byte to read, buffered bits, their count; the
+# reader refills greedily up to 57..64 bits, and bits above nacc in acc are always zero.
+
+
+@njit(inline="always")
+def _put(dst, d, acc, nacc, value, nbits):  # noqa: ANN001, ANN202
+    """Append nbits (<= 32) of value; flush 32 bits at a time."""
+    acc |= (value & ((_U1 << np.uint64(nbits)) - _U1)) << np.uint64(nacc)
+    nacc += nbits
+    if nacc >= 32:
+        dst[d] = np.uint8(acc & _BYTE)
+        dst[d + 1] = np.uint8((acc >> _U8) & _BYTE)
+        dst[d + 2] = np.uint8((acc >> np.uint64(16)) & _BYTE)
+        dst[d + 3] = np.uint8((acc >> np.uint64(24)) & _BYTE)
+        d += 4
+        acc >>= np.uint64(32)
+        nacc -= 32
+    return d, acc, nacc
+
+
+@njit(inline="always")
+def _flush(dst, d, acc, nacc):  # noqa: ANN001, ANN202
+    """Write the pending bits, zero-padded to a byte; return the end offset."""
+    while nacc > 0:
+        dst[d] = np.uint8(acc & _BYTE)
+        d += 1
+        acc >>= _U8
+        nacc -= 8
+    return d
+
+
+@njit(inline="always")
+def _put_rice(dst, d, acc, nacc, x, k, escape, width):  # noqa: ANN001, ANN202
+    q = x >> np.uint64(k)
+    if q < np.uint64(escape):
+        qi = np.int64(q)
+        while qi >= 31:
+            d, acc, nacc = _put(dst, d, acc, nacc, _U0, 31)
+            qi -= 31
+        d, acc, nacc = _put(dst, d, acc, nacc, _U1 << np.uint64(qi), qi + 1)
+        if k > 0:
+            d, acc, nacc = _put(dst, d, acc, nacc, x, k)
+    else:
+        e = escape
+        while e >= 31:
+            d, acc, nacc = _put(dst, d, acc, nacc, _U0, 31)
+            e -= 31
+        d, acc, nacc = _put(dst, d, acc, nacc, _U0, e)
+        if width > 32:
+            d, acc, nacc = _put(dst, d, acc, nacc, x, 32)
+            d, acc, nacc = _put(dst, d, acc, nacc, x >> np.uint64(32), width - 32)
+        else:
+            d, acc, nacc = _put(dst, d, acc, nacc, x, width)
+    return d, acc, nacc
+
+
+@njit(inline="always")
+def _refill(src, r, end, acc, nacc):  # noqa: ANN001, ANN202
+    while nacc <= 56 and r < end:
+        acc |= np.uint64(src[r]) << np.uint64(nacc)
+        r += 1
+        nacc += 8
+    return r, acc, nacc
+
+
+@njit(inline="always")
+def _get_bits(src, r, end, acc, nacc, nbits):  # noqa: ANN001, ANN202
+    """(value, r, acc, nacc, ok) for nbits <= 32."""
+    if nacc < nbits:
+        r, acc, nacc = _refill(src, r, end, acc, nacc)
+        if nacc < nbits:
+            return _U0, r, acc, nacc, False
+    v = acc & ((_U1 << np.uint64(nbits)) - _U1)
+    return v, r, acc >> np.uint64(nbits), nacc - nbits, True
+
+
+@njit(inline="always")
+def _get_rice(src, r, end, acc, nacc, k, escape, width):  # noqa: ANN001, ANN202
+    """(value, r, acc, nacc, ok)."""
+    q = 0
+    while True:
+        if nacc == 0:
+            r, acc, nacc = _refill(src, r, end, acc, nacc)
+            if nacc == 0:
+                return _U0, r, acc, nacc, False
+        zeros = nacc if acc == _U0 else np.int64(trailing_zeros(acc))
+        if q + zeros >= escape:  # the escape: exactly `escape` zeros, no terminator
+            used = escape - q
+            acc >>= np.uint64(used)
+            nacc -= used
+            q = escape
+            break
+        if zeros < nacc:  # the terminating one is buffered
+            acc >>= np.uint64(zeros + 1)
+            nacc -= zeros + 1
+            q += zeros
+            break
+        q += zeros
+        acc = _U0
+        nacc = 0
+    if q < escape:
+        low = _U0
+        if k > 0:
+            low, r, acc, nacc, ok = _get_bits(src, r, end, acc, nacc, k)
+            if not ok:
+                return _U0, r, acc, nacc, False
+        return (np.uint64(q) << np.uint64(k)) | low, r, acc, nacc, True
+    if width > 32:
+        lo, r, acc, nacc, ok = _get_bits(src, r, end, acc, nacc, 32)
+        if not ok:
+            return _U0, r, acc, nacc, False
+        hi, r, acc, nacc, ok = _get_bits(src, r, end, acc, nacc, width - 32)
+        return lo | (hi << np.uint64(32)), r, acc, nacc, ok
+    return _get_bits(src, r, end, acc, nacc, width)
+
+
+@njit(inline="always")
+def _finished(r, end, acc, nacc):  # noqa: ANN001, ANN202
+    """OK if the stream was read to its end and only zero padding (< 8 bits) is left."""
+    if r != end or nacc >= 8:
+        return TRAILING
+    if acc != _U0:
+        return PADDING
+    return OK
+
+
+# -- encode ------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float):  # noqa: ANN001, ANN202, E501
+    """Write the changed positions (relative to s) and coded values of one item; return count."""
+    c = 0
+    if ref.itemsize == 2:
+        # Per 64 elements (16 words): the top bit of each nonzero 16-bit lane of the XOR,
+        # gathered into 4 bits per word, makes a 64-bit mask of changed elements. Slices keep
+        # the word loop free of index checks so it vectorises.
+        nb = n // 64
+        w0 = s // 4
+        for b in range(nb):
+            ra = refw[w0 + b * 16 : w0 + b * 16 + 16]
+            ca = curw[w0 + b * 16 : w0 + b * 16 + 16]
+            m = _U0
+            for j in range(16):
+                x = ra[j] ^ ca[j]
+                lanes = (((x & _LO15) + _LO15) | x) & _HI15
+                nib = ((lanes >> np.uint64(15)) * _GATHER4) >> np.uint64(45) & np.uint64(0xF)
+                m |= nib << np.uint64(4 * j)
+            e = s + b * 64
+            while m != _U0:
+                j = np.int64(trailing_zeros(m))
+                pos[o + c] = e + j - s
+                zval[o + c] = _code_value(np.uint64(cur[e + j]), np.uint64(ref[e + j]), coding, sign_shift, magnitude, mask, is_float)  # noqa: E501
+                c += 1
+                m &= m - _U1
+        tail = s + nb * 64
+    else:
+        lanes = 8 // ref.itemsize
         w0 = s // lanes
         nw = n // lanes
         for w in range(w0, w0 + nw):
@@ -68,168 +305,173 @@ def diff_items(  # noqa: ANN201 - numba kernels are typed by their arguments
                 for j in range(lanes):
                     if ref[e + j] != cur[e + j]:
                         pos[o + c] = e + j - s
-                        new_vals[o + c] = cur[e + j]
-                        old_vals[o + c] = ref[e + j]
+                        zval[o + c] = _code_value(np.uint64(cur[e + j]), np.uint64(ref[e + j]), coding, sign_shift, magnitude, mask, is_float)  # noqa: E501
                         c += 1
-        for e in range(s + nw * lanes, s + n):
-            if ref[e] != cur[e]:
-                pos[o + c] = e - s
-                new_vals[o + c] = cur[e]
-                old_vals[o + c] = ref[e]
-                c += 1
+        tail = s + nw * lanes
+    for e in range(tail, s + n):
+        if ref[e] != cur[e]:
+            pos[o + c] = e - s
+            zval[o + c] = _code_value(np.uint64(cur[e]), np.uint64(ref[e]), coding, sign_shift, magnitude, mask, is_float)  # noqa: E501
+            c += 1
+    return c
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def encode_sparse(  # noqa: ANN201 - numba kernels are typed by their arguments
+    ref,  # noqa: ANN001 - flat uintN view of the reference buffer
+    cur,  # noqa: ANN001 - flat uintN view of the current buffer
+    refw,  # noqa: ANN001 - the same reference bytes as uint64 words
+    curw,  # noqa: ANN001 - the same current bytes as uint64 words
+    starts,  # noqa: ANN001 - int64[n]: first element of each item in the flat view
+    lengths,  # noqa: ANN001 - int64[n]: elements in each item
+    out_off,  # noqa: ANN001 - int64[n]: each item's region in pos / zval (as long as the item)
+    pos,  # noqa: ANN001 - uint32 scratch: changed positions relative to the item
+    zval,  # noqa: ANN001 - uintN scratch (the element width): coded values
+    coding,  # noqa: ANN001 - VAL_ORDERED_DELTA or VAL_XOR
+    is_float,  # noqa: ANN001 - order float bit patterns before differencing
+    pos_dst,  # noqa: ANN001 - uint8: position streams; item i's region starts at pos_cap_off[i]
+    pos_cap_off,  # noqa: ANN001
+    val_dst,  # noqa: ANN001 - uint8: value streams; item i's region starts at val_cap_off[i]
+    val_cap_off,  # noqa: ANN001
+    counts,  # noqa: ANN001 - out int64[n]: changed elements
+    pos_k,  # noqa: ANN001 - out int64[n]: Rice parameter of the positions
+    val_k,  # noqa: ANN001 - out int64[n]: Rice parameter of the values
+    pos_len,  # noqa: ANN001 - out int64[n]: bytes of the position stream
+    val_len,  # noqa: ANN001 - out int64[n]: bytes of the value stream
+):
+    """Diff, code and Rice-write every item. Regions must hold the worst case (encoder.py)."""
+    width = ref.itemsize * 8
+    sign_shift = np.uint64(width - 1)
+    mask = _ALL >> np.uint64(64 - width)
+    magnitude = mask >> _U1
+    escape = width
+    for i in prange(starts.shape[0]):
+        s = starts[i]
+        n = lengths[i]
+        o = out_off[i]
+        c = _diff_item(
+            ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float
+        )
         counts[i] = c
-
-
-@njit(cache=True, boundscheck=False, nogil=True)
-def _rice_bits(pos, o, n, k):  # noqa: ANN001, ANN202
-    """Exact bit count of coding n positions (pos[o:o+n], ascending) with Rice parameter k."""
-    total = n * (k + 1)
-    prev = -1
-    for j in range(n):
-        p = np.int64(pos[o + j])
-        total += (p - prev - 1) >> k
-        prev = p
-    return total
-
-
-@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def rice_plan(pos, out_off, counts, ks, nbytes):  # noqa: ANN001, ANN201
-    """Choose each item's Rice parameter (the exact best of three near the optimum) and size.
-
-    For geometric gaps of mean m the optimal parameter is near log2(m * ln 2); the exact
-    cost of that k and its two neighbours is computed and the cheapest taken.
-    """
-    for i in prange(counts.shape[0]):
-        n = counts[i]
-        if n == 0:
-            ks[i] = 0
-            nbytes[i] = 0
+        if c == 0:
+            pos_k[i] = 0
+            val_k[i] = 0
+            pos_len[i] = 0
+            val_len[i] = 0
             continue
-        o = out_off[i]
-        span = np.int64(pos[o + n - 1]) + 1
-        mean_gap = max(1.0, (span - n) / n)
-        k0 = max(0, int(np.log2(mean_gap * 0.6931471805599453)))
-        best_k = 0
-        best_bits = np.int64(-1)
-        for k in range(max(0, k0 - 1), min(31, k0 + 2)):
-            bits = _rice_bits(pos, o, n, k)
-            if best_bits < 0 or bits < best_bits:
-                best_bits = bits
-                best_k = k
-        ks[i] = best_k
-        nbytes[i] = (best_bits + 7) // 8
+        kp = _rice_choose(pos, o, c, POSITION_WIDTH, POSITION_WIDTH, True)
+        kv = _rice_choose(zval, o, c, escape, width, False)
+        pos_k[i] = kp
+        val_k[i] = kv
 
-
-@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def rice_encode(pos, out_off, counts, ks, dst, dst_off):  # noqa: ANN001, ANN201
-    """Write each item's gaps as Rice codes: q = gap >> k zero bits, a one bit, k low bits.
-
-    Bits are packed least-significant first; each item starts on a byte boundary of ``dst``
-    at ``dst_off[i]`` and its last byte is padded with zero bits.
-    """
-    for i in prange(counts.shape[0]):
-        n = counts[i]
-        o = out_off[i]
-        k = np.uint64(ks[i])
-        mask = (np.uint64(1) << k) - np.uint64(1)
-        d = dst_off[i]
-        acc = np.uint64(0)
-        nacc = np.uint64(0)
-        prev = np.int64(-1)
-        for j in range(n):
-            p = np.int64(pos[o + j])
-            gap = np.uint64(p - prev - 1)
-            prev = p
-            q = gap >> k
-            # unary part: q zeros then a one; flush in pieces so the accumulator never overflows
-            while q >= np.uint64(32):
-                nacc += np.uint64(32)
-                while nacc >= np.uint64(8):
-                    dst[d] = np.uint8(acc & np.uint64(0xFF))
-                    d += 1
-                    acc >>= np.uint64(8)
-                    nacc -= np.uint64(8)
-                q -= np.uint64(32)
-            acc |= np.uint64(1) << (nacc + q)
-            nacc += q + np.uint64(1)
-            while nacc >= np.uint64(8):
-                dst[d] = np.uint8(acc & np.uint64(0xFF))
-                d += 1
-                acc >>= np.uint64(8)
-                nacc -= np.uint64(8)
-            if k > np.uint64(0):
-                acc |= (gap & mask) << nacc
-                nacc += k
-                while nacc >= np.uint64(8):
-                    dst[d] = np.uint8(acc & np.uint64(0xFF))
-                    d += 1
-                    acc >>= np.uint64(8)
-                    nacc -= np.uint64(8)
-        if nacc > np.uint64(0):
-            dst[d] = np.uint8(acc & np.uint64(0xFF))
-
-
-@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def rice_decode(src, src_off, src_len, counts, ks, lengths, out, out_off, errors):  # noqa: ANN001, ANN201
-    """Decode each record's Rice stream into absolute positions, validating as it goes.
-
-    Never reads outside [src_off[i], src_off[i] + src_len[i]) nor writes outside
-    out[out_off[i] : out_off[i] + counts[i]]; a position must be below lengths[i].
-    The caller checks that the regions themselves lie inside ``src`` and ``out``.
-    """
-    for i in prange(counts.shape[0]):
-        n = counts[i]
-        k = ks[i]
-        length = lengths[i]
-        r = src_off[i]
-        end = r + src_len[i]
-        o = out_off[i]
-        acc = np.uint64(0)
+        d = pos_cap_off[i]
+        acc = _U0
         nacc = 0
         prev = np.int64(-1)
-        err = RICE_OK
-        for j in range(n):
-            q = np.int64(0)
-            while True:
-                if nacc == 0:
-                    if r >= end:
-                        err = RICE_EXHAUSTED
-                        break
-                    acc = np.uint64(src[r])
-                    r += 1
-                    nacc = 8
-                bit = acc & np.uint64(1)
-                acc >>= np.uint64(1)
-                nacc -= 1
-                if bit:
-                    break
-                q += 1
-                if q > length:  # no gap can be longer than the range
-                    err = RICE_OUT_OF_RANGE
-                    break
-            if err != RICE_OK:
-                break
-            while nacc < k:
-                if r >= end:
-                    err = RICE_EXHAUSTED
-                    break
-                acc |= np.uint64(src[r]) << np.uint64(nacc)
-                r += 1
-                nacc += 8
-            if err != RICE_OK:
-                break
-            low = np.int64(acc & ((np.uint64(1) << np.uint64(k)) - np.uint64(1)))
-            acc >>= np.uint64(k)
-            nacc -= k
-            p = prev + 1 + ((q << k) | low)
-            if p >= length:
-                err = RICE_OUT_OF_RANGE
-                break
-            out[o + j] = p
+        for j in range(c):
+            p = np.int64(pos[o + j])
+            d, acc, nacc = _put_rice(
+                pos_dst, d, acc, nacc, np.uint64(p - prev - 1), kp, POSITION_WIDTH, POSITION_WIDTH
+            )
             prev = p
-        if err == RICE_OK:
-            if r != end:
-                err = RICE_TRAILING
-            elif acc != np.uint64(0):
-                err = RICE_PADDING
+        pos_len[i] = _flush(pos_dst, d, acc, nacc) - pos_cap_off[i]
+
+        d = val_cap_off[i]
+        acc = _U0
+        nacc = 0
+        for j in range(c):
+            d, acc, nacc = _put_rice(val_dst, d, acc, nacc, zval[o + j] - _U1, kv, escape, width)
+        val_len[i] = _flush(val_dst, d, acc, nacc) - val_cap_off[i]
+
+
+# -- decode and apply --------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def decode_sparse(  # noqa: ANN201
+    width,  # noqa: ANN001 - element width in bits (all records of one call share it)
+    pos_src,  # noqa: ANN001 - uint8: Rice position streams
+    pos_off,  # noqa: ANN001 - int64[n]: start of each record's position stream, -1: positions given
+    pos_len,  # noqa: ANN001 - int64[n]
+    pos_k,  # noqa: ANN001 - int64[n]
+    val_src,  # noqa: ANN001 - uint8: Rice value streams
+    val_off,  # noqa: ANN001 - int64[n]
+    val_len,  # noqa: ANN001 - int64[n]
+    val_k,  # noqa: ANN001 - int64[n]
+    counts,  # noqa: ANN001 - int64[n]: changed elements per record
+    lengths,  # noqa: ANN001 - int64[n]: range length per record
+    out_off,  # noqa: ANN001 - int64[n]: each record's region in positions / zval
+    positions,  # noqa: ANN001 - uint32 out (or in, for records whose pos_off is -1)
+    zval,  # noqa: ANN001 - uintN out (the element width): coded values
+    errors,  # noqa: ANN001 - int64 out
+):
+    """Decode positions and coded values of every record, checking every bound.
+
+    Never reads outside a record's stream regions nor writes outside its output region; the
+    caller checks that the regions lie inside the arrays.
+    """
+    mask = _ALL >> np.uint64(64 - width)
+    for i in prange(counts.shape[0]):
+        n = counts[i]
+        o = out_off[i]
+        err = OK
+        if pos_off[i] >= 0:
+            r = pos_off[i]
+            end = r + pos_len[i]
+            acc = _U0
+            nacc = 0
+            prev = np.int64(-1)
+            for j in range(n):
+                g, r, acc, nacc, ok = _get_rice(
+                    pos_src, r, end, acc, nacc, pos_k[i], POSITION_WIDTH, POSITION_WIDTH
+                )
+                if not ok:
+                    err = EXHAUSTED
+                    break
+                p = prev + 1 + np.int64(g)
+                if p >= lengths[i]:
+                    err = OUT_OF_RANGE
+                    break
+                positions[o + j] = p
+                prev = p
+            if err == OK:
+                err = _finished(r, end, acc, nacc)
+        if err == OK:
+            r = val_off[i]
+            end = r + val_len[i]
+            acc = _U0
+            nacc = 0
+            for j in range(n):
+                v, r, acc, nacc, ok = _get_rice(val_src, r, end, acc, nacc, val_k[i], width, width)
+                if not ok:
+                    err = EXHAUSTED
+                    break
+                if v >= mask:  # v + 1 must fit the width
+                    err = BAD_VALUE
+                    break
+                zval[o + j] = v + _U1
+            if err == OK:
+                err = _finished(r, end, acc, nacc)
         errors[i] = err
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def scatter_sparse(target, reference, bases, counts, out_off, positions, zval, coding, is_float):  # noqa: ANN001, ANN201
+    """target[bases[i] + p] = decode(z, reference[...]) for every decoded (p, z) of record i.
+
+    Records cover disjoint ranges, so parallel records never write the same element. Reading
+    the reference before writing the target makes it safe for the two to be one buffer.
+    """
+    width = target.itemsize * 8
+    sign_shift = np.uint64(width - 1)
+    mask = _ALL >> np.uint64(64 - width)
+    magnitude = mask >> _U1
+    for i in prange(counts.shape[0]):
+        b = bases[i]
+        o = out_off[i]
+        for j in range(counts[i]):
+            e = b + np.int64(positions[o + j])
+            old = np.uint64(reference[e])
+            target[e] = _decode_value(
+                zval[o + j], old, coding, sign_shift, magnitude, mask, is_float
+            )
