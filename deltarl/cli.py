@@ -10,16 +10,17 @@ BENCHES = ("codec",)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="deltarl", description="asynchronous RL with weight-delta refit")
+    ap = argparse.ArgumentParser(
+        prog="deltarl", description="asynchronous RL with weight-delta refit"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run a benchmark", add_help=False)
     bench.add_argument("name", choices=BENCHES)
     args, rest = ap.parse_known_args(argv)
-    if args.command == "bench":
-        if args.name == "codec":
-            from deltarl.bench import codec  # noqa: PLC0415 - heavy imports only when used
+    if args.command == "bench" and args.name == "codec":
+        from deltarl.bench import codec  # noqa: PLC0415 - heavy imports only when used
 
-            return codec.main(rest)
+        return codec.main(rest)
     ap.error(f"unknown command {args.command}")
     return 2
 

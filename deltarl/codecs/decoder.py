@@ -414,7 +414,7 @@ def _decode_sparse(
                 out_off,
                 positions,
                 zval,
-            )  # fmt: skip
+            )
         )
     return batches
 

@@ -377,8 +377,15 @@ class DeltaEncoder:
             if pc is None or (c == 0 and pc != POS_DENSE):
                 continue  # an absent record means an unchanged range
             s, o = int(starts[i]), int(out_off[i])
-            head = dict(tensor_id=tid, pos_coding=pc, val_coding=self.value_coding,
-                        itemsize=itemsize, start=int(local[i]), length=n, changed=c)  # fmt: skip
+            head = {
+                "tensor_id": tid,
+                "pos_coding": pc,
+                "val_coding": self.value_coding,
+                "itemsize": itemsize,
+                "start": int(local[i]),
+                "length": n,
+                "changed": c,
+            }
             if pc == POS_DENSE:
                 values = encode_values(cur_flat[s : s + n], ref_flat[s : s + n],
                                        self.value_coding, is_float)  # fmt: skip

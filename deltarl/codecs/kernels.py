@@ -72,14 +72,14 @@ def rice_escape(width: int) -> int:
 
 
 @njit(inline="always")
-def _order(x, sign_shift, magnitude, is_float):  # noqa: ANN001, ANN202
+def _order(x, sign_shift, magnitude, is_float):
     if is_float:
         return x ^ ((x >> sign_shift) * magnitude)
     return x
 
 
 @njit(inline="always")
-def _code_value(new, old, coding, sign_shift, magnitude, mask, is_float):  # noqa: ANN001, ANN202
+def _code_value(new, old, coding, sign_shift, magnitude, mask, is_float):
     if coding == _XOR:
         return (new ^ old) & mask
     d = (
@@ -89,7 +89,7 @@ def _code_value(new, old, coding, sign_shift, magnitude, mask, is_float):  # noq
 
 
 @njit(inline="always")
-def _decode_value(z, old, coding, sign_shift, magnitude, mask, is_float):  # noqa: ANN001, ANN202
+def _decode_value(z, old, coding, sign_shift, magnitude, mask, is_float):
     if coding == _XOR:
         return (z ^ old) & mask
     d = ((z >> _U1) ^ (_U0 - (z & _U1))) & mask
@@ -101,26 +101,20 @@ def _decode_value(z, old, coding, sign_shift, magnitude, mask, is_float):  # noq
 
 
 @njit(inline="always")
-def _rice_choose(vals, o, n, escape, width, gaps):  # noqa: ANN001, ANN202
-    """The best Rice parameter for these numbers.
+def _tally(count, total, x):
+    """Count x in its bit-length bucket (for _rice_choose)."""
+    length = 0 if x == _U0 else 64 - np.int64(leading_zeros(x))
+    count[length] += 1
+    total[length] += float(x)
 
-    One pass buckets the numbers by bit length (count and sum per bucket), from which the
-    cost of every k is estimated. A mean-based guess is not enough: a few outliers (a sign
-    flip among +-1 ulp steps) would inflate k for every other value.
+
+@njit(inline="always")
+def _rice_choose(count, total, escape, width):
+    """The best Rice parameter for numbers tallied by bit length (count and sum per bucket).
+
+    The cost of every k is estimated from the buckets. A mean-based guess is not enough: a
+    few outliers (a sign flip among +-1 ulp steps) would inflate k for every other value.
     """
-    count = np.zeros(65, np.int64)
-    total = np.zeros(65, np.float64)
-    prev = np.int64(-1)
-    for j in range(n):
-        if gaps:
-            p = np.int64(vals[o + j])
-            x = np.uint64(p - prev - 1)
-            prev = p
-        else:
-            x = np.uint64(vals[o + j]) - _U1
-        length = 0 if x == _U0 else 64 - leading_zeros(x)
-        count[length] += 1
-        total[length] += float(x)
     best_k = 0
     best = -1.0
     for k in range(width):
@@ -144,7 +138,7 @@ def _rice_choose(vals, o, n, escape, width, gaps):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _put(dst, d, acc, nacc, value, nbits):  # noqa: ANN001, ANN202
+def _put(dst, d, acc, nacc, value, nbits):
     """Append nbits (<= 32) of value; flush 32 bits at a time."""
     acc |= (value & ((_U1 << np.uint64(nbits)) - _U1)) << np.uint64(nacc)
     nacc += nbits
@@ -160,7 +154,7 @@ def _put(dst, d, acc, nacc, value, nbits):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _flush(dst, d, acc, nacc):  # noqa: ANN001, ANN202
+def _flush(dst, d, acc, nacc):
     """Write the pending bits, zero-padded to a byte; return the end offset."""
     while nacc > 0:
         dst[d] = np.uint8(acc & _BYTE)
@@ -171,8 +165,13 @@ def _flush(dst, d, acc, nacc):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _put_rice(dst, d, acc, nacc, x, k, escape, width):  # noqa: ANN001, ANN202
+def _put_rice(dst, d, acc, nacc, x, k, escape, width):
     q = x >> np.uint64(k)
+    if q + np.uint64(k) < np.uint64(32) and q < np.uint64(escape):
+        # the common case in one write: q zeros, the terminating one, k low bits
+        qi = np.int64(q)
+        code = (_U1 << q) | ((x & ((_U1 << np.uint64(k)) - _U1)) << (q + _U1))
+        return _put(dst, d, acc, nacc, code, qi + 1 + k)
     if q < np.uint64(escape):
         qi = np.int64(q)
         while qi >= 31:
@@ -196,7 +195,7 @@ def _put_rice(dst, d, acc, nacc, x, k, escape, width):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _refill(src, r, end, acc, nacc):  # noqa: ANN001, ANN202
+def _refill(src, r, end, acc, nacc):
     while nacc <= 56 and r < end:
         acc |= np.uint64(src[r]) << np.uint64(nacc)
         r += 1
@@ -205,7 +204,7 @@ def _refill(src, r, end, acc, nacc):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _get_bits(src, r, end, acc, nacc, nbits):  # noqa: ANN001, ANN202
+def _get_bits(src, r, end, acc, nacc, nbits):
     """(value, r, acc, nacc, ok) for nbits <= 32."""
     if nacc < nbits:
         r, acc, nacc = _refill(src, r, end, acc, nacc)
@@ -216,8 +215,19 @@ def _get_bits(src, r, end, acc, nacc, nbits):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _get_rice(src, r, end, acc, nacc, k, escape, width):  # noqa: ANN001, ANN202
+def _get_rice(src, r, end, acc, nacc, k, escape, width):  # noqa: PLR0911 - one exit per outcome
     """(value, r, acc, nacc, ok)."""
+    if nacc < 32:
+        r, acc, nacc = _refill(src, r, end, acc, nacc)
+    if acc != _U0:
+        # the common case in one step: the terminator and the k low bits are buffered
+        zeros = np.int64(trailing_zeros(acc))
+        if zeros < escape and zeros + 1 + k <= nacc:
+            acc >>= np.uint64(zeros + 1)
+            low = acc & ((_U1 << np.uint64(k)) - _U1)
+            acc >>= np.uint64(k)
+            nacc -= zeros + 1 + k
+            return (np.uint64(zeros) << np.uint64(k)) | low, r, acc, nacc, True
     q = 0
     while True:
         if nacc == 0:
@@ -256,7 +266,7 @@ def _get_rice(src, r, end, acc, nacc, k, escape, width):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _finished(r, end, acc, nacc):  # noqa: ANN001, ANN202
+def _finished(r, end, acc, nacc):
     """OK if the stream was read to its end and only zero padding (< 8 bits) is left."""
     if r != end or nacc >= 8:
         return TRAILING
@@ -269,9 +279,32 @@ def _finished(r, end, acc, nacc):  # noqa: ANN001, ANN202
 
 
 @njit(inline="always")
-def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float):  # noqa: ANN001, ANN202, E501
-    """Write the changed positions (relative to s) and coded values of one item; return count."""
+def _emit(
+    ref, cur, e, s, o, c, prev, pos, zval, coding, sign_shift, magnitude, mask, is_float, hist
+):
+    """Record element e as changed: its position, coded value, and both numbers' tallies."""
+    p = e - s
+    z = _code_value(
+        np.uint64(cur[e]), np.uint64(ref[e]), coding, sign_shift, magnitude, mask, is_float
+    )
+    pos[o + c] = p
+    zval[o + c] = z
+    _tally(hist[0], hist[1], np.uint64(p - prev - 1))
+    _tally(hist[2], hist[3], z - _U1)
+    return c + 1, p
+
+
+@njit(inline="always")
+def _diff_item(
+    ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float, hist
+):
+    """Write the changed positions (relative to s) and coded values of one item; return count.
+
+    ``hist`` (4 x 65) receives the bit-length tallies of the gaps (rows 0, 1) and of the
+    coded values minus one (rows 2, 3) for choosing the Rice parameters.
+    """
     c = 0
+    prev = np.int64(-1)
     if ref.itemsize == 2:
         # Per 64 elements (16 words): the top bit of each nonzero 16-bit lane of the XOR,
         # gathered into 4 bits per word, makes a 64-bit mask of changed elements. Slices keep
@@ -290,9 +323,23 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, mag
             e = s + b * 64
             while m != _U0:
                 j = np.int64(trailing_zeros(m))
-                pos[o + c] = e + j - s
-                zval[o + c] = _code_value(np.uint64(cur[e + j]), np.uint64(ref[e + j]), coding, sign_shift, magnitude, mask, is_float)  # noqa: E501
-                c += 1
+                c, prev = _emit(
+                    ref,
+                    cur,
+                    e + j,
+                    s,
+                    o,
+                    c,
+                    prev,
+                    pos,
+                    zval,
+                    coding,
+                    sign_shift,
+                    magnitude,
+                    mask,
+                    is_float,
+                    hist,
+                )
                 m &= m - _U1
         tail = s + nb * 64
     else:
@@ -304,40 +351,68 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, mag
                 e = w * lanes
                 for j in range(lanes):
                     if ref[e + j] != cur[e + j]:
-                        pos[o + c] = e + j - s
-                        zval[o + c] = _code_value(np.uint64(cur[e + j]), np.uint64(ref[e + j]), coding, sign_shift, magnitude, mask, is_float)  # noqa: E501
-                        c += 1
+                        c, prev = _emit(
+                            ref,
+                            cur,
+                            e + j,
+                            s,
+                            o,
+                            c,
+                            prev,
+                            pos,
+                            zval,
+                            coding,
+                            sign_shift,
+                            magnitude,
+                            mask,
+                            is_float,
+                            hist,
+                        )
         tail = s + nw * lanes
     for e in range(tail, s + n):
         if ref[e] != cur[e]:
-            pos[o + c] = e - s
-            zval[o + c] = _code_value(np.uint64(cur[e]), np.uint64(ref[e]), coding, sign_shift, magnitude, mask, is_float)  # noqa: E501
-            c += 1
+            c, prev = _emit(
+                ref,
+                cur,
+                e,
+                s,
+                o,
+                c,
+                prev,
+                pos,
+                zval,
+                coding,
+                sign_shift,
+                magnitude,
+                mask,
+                is_float,
+                hist,
+            )
     return c
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def encode_sparse(  # noqa: ANN201 - numba kernels are typed by their arguments
-    ref,  # noqa: ANN001 - flat uintN view of the reference buffer
-    cur,  # noqa: ANN001 - flat uintN view of the current buffer
-    refw,  # noqa: ANN001 - the same reference bytes as uint64 words
-    curw,  # noqa: ANN001 - the same current bytes as uint64 words
-    starts,  # noqa: ANN001 - int64[n]: first element of each item in the flat view
-    lengths,  # noqa: ANN001 - int64[n]: elements in each item
-    out_off,  # noqa: ANN001 - int64[n]: each item's region in pos / zval (as long as the item)
-    pos,  # noqa: ANN001 - uint32 scratch: changed positions relative to the item
-    zval,  # noqa: ANN001 - uintN scratch (the element width): coded values
-    coding,  # noqa: ANN001 - VAL_ORDERED_DELTA or VAL_XOR
-    is_float,  # noqa: ANN001 - order float bit patterns before differencing
-    pos_dst,  # noqa: ANN001 - uint8: position streams; item i's region starts at pos_cap_off[i]
-    pos_cap_off,  # noqa: ANN001
-    val_dst,  # noqa: ANN001 - uint8: value streams; item i's region starts at val_cap_off[i]
-    val_cap_off,  # noqa: ANN001
-    counts,  # noqa: ANN001 - out int64[n]: changed elements
-    pos_k,  # noqa: ANN001 - out int64[n]: Rice parameter of the positions
-    val_k,  # noqa: ANN001 - out int64[n]: Rice parameter of the values
-    pos_len,  # noqa: ANN001 - out int64[n]: bytes of the position stream
-    val_len,  # noqa: ANN001 - out int64[n]: bytes of the value stream
+def encode_sparse(  # numba kernels are typed by their arguments
+    ref,  # flat uintN view of the reference buffer
+    cur,  # flat uintN view of the current buffer
+    refw,  # the same reference bytes as uint64 words
+    curw,  # the same current bytes as uint64 words
+    starts,  # int64[n]: first element of each item in the flat view
+    lengths,  # int64[n]: elements in each item
+    out_off,  # int64[n]: each item's region in pos / zval (as long as the item)
+    pos,  # uint32 scratch: changed positions relative to the item
+    zval,  # uint64 scratch: coded values
+    coding,  # VAL_ORDERED_DELTA or VAL_XOR
+    is_float,  # order float bit patterns before differencing
+    pos_dst,  # uint8: position streams; item i's region starts at pos_cap_off[i]
+    pos_cap_off,
+    val_dst,  # uint8: value streams; item i's region starts at val_cap_off[i]
+    val_cap_off,
+    counts,  # out int64[n]: changed elements
+    pos_k,  # out int64[n]: Rice parameter of the positions
+    val_k,  # out int64[n]: Rice parameter of the values
+    pos_len,  # out int64[n]: bytes of the position stream
+    val_len,  # out int64[n]: bytes of the value stream
 ):
     """Diff, code and Rice-write every item. Regions must hold the worst case (encoder.py)."""
     width = ref.itemsize * 8
@@ -349,9 +424,11 @@ def encode_sparse(  # noqa: ANN201 - numba kernels are typed by their arguments
         s = starts[i]
         n = lengths[i]
         o = out_off[i]
+        hist = np.zeros((4, 65), np.float64)
         c = _diff_item(
-            ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float
-        )
+            ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float,
+            hist,
+        )  # fmt: skip
         counts[i] = c
         if c == 0:
             pos_k[i] = 0
@@ -359,8 +436,8 @@ def encode_sparse(  # noqa: ANN201 - numba kernels are typed by their arguments
             pos_len[i] = 0
             val_len[i] = 0
             continue
-        kp = _rice_choose(pos, o, c, POSITION_WIDTH, POSITION_WIDTH, True)
-        kv = _rice_choose(zval, o, c, escape, width, False)
+        kp = _rice_choose(hist[0], hist[1], POSITION_WIDTH, POSITION_WIDTH)
+        kv = _rice_choose(hist[2], hist[3], escape, width)
         pos_k[i] = kp
         val_k[i] = kv
 
@@ -388,22 +465,22 @@ def encode_sparse(  # noqa: ANN201 - numba kernels are typed by their arguments
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def decode_sparse(  # noqa: ANN201
-    width,  # noqa: ANN001 - element width in bits (all records of one call share it)
-    pos_src,  # noqa: ANN001 - uint8: Rice position streams
-    pos_off,  # noqa: ANN001 - int64[n]: start of each record's position stream, -1: positions given
-    pos_len,  # noqa: ANN001 - int64[n]
-    pos_k,  # noqa: ANN001 - int64[n]
-    val_src,  # noqa: ANN001 - uint8: Rice value streams
-    val_off,  # noqa: ANN001 - int64[n]
-    val_len,  # noqa: ANN001 - int64[n]
-    val_k,  # noqa: ANN001 - int64[n]
-    counts,  # noqa: ANN001 - int64[n]: changed elements per record
-    lengths,  # noqa: ANN001 - int64[n]: range length per record
-    out_off,  # noqa: ANN001 - int64[n]: each record's region in positions / zval
-    positions,  # noqa: ANN001 - uint32 out (or in, for records whose pos_off is -1)
-    zval,  # noqa: ANN001 - uintN out (the element width): coded values
-    errors,  # noqa: ANN001 - int64 out
+def decode_sparse(
+    width,  # element width in bits (all records of one call share it)
+    pos_src,  # uint8: Rice position streams
+    pos_off,  # int64[n]: start of each record's position stream, -1: positions given
+    pos_len,  # int64[n]
+    pos_k,  # int64[n]
+    val_src,  # uint8: Rice value streams
+    val_off,  # int64[n]
+    val_len,  # int64[n]
+    val_k,  # int64[n]
+    counts,  # int64[n]: changed elements per record
+    lengths,  # int64[n]: range length per record
+    out_off,  # int64[n]: each record's region in positions / zval
+    positions,  # int64 out (or in, for records whose pos_off is -1)
+    zval,  # uint64 out: coded values
+    errors,  # int64 out
 ):
     """Decode positions and coded values of every record, checking every bound.
 
@@ -456,7 +533,7 @@ def decode_sparse(  # noqa: ANN201
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def scatter_sparse(target, reference, bases, counts, out_off, positions, zval, coding, is_float):  # noqa: ANN001, ANN201
+def scatter_sparse(target, reference, bases, counts, out_off, positions, zval, coding, is_float):
     """target[bases[i] + p] = decode(z, reference[...]) for every decoded (p, z) of record i.
 
     Records cover disjoint ranges, so parallel records never write the same element. Reading

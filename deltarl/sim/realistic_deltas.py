@@ -33,7 +33,9 @@ class RealisticDeltas:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             self.model = TinyCausalLM(TinyConfig.for_params(params))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=weight_decay
+        )
         self._gen = gen
         self._batch, self._seq = batch, seq
         self._params = list(self.model.named_parameters())

@@ -41,7 +41,9 @@ class TinyConfig:
         parameters at most (as in small Llama/Qwen models, where embeddings dominate).
         """
         if params < 10_000:
-            raise ValueError(f"a transformer-shaped model needs at least 10k parameters, not {params}")
+            raise ValueError(
+                f"a transformer-shaped model needs at least 10k parameters, not {params}"
+            )
         hidden = max(32, min(4096, int(math.sqrt(params / 190)) // 32 * 32))
         vocab = max(256, min(32000, params // 8 // hidden // 64 * 64))
         inter = (hidden * 11 // 4 + 31) // 32 * 32
