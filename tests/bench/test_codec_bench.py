@@ -1,0 +1,54 @@
+"""The `deltarl bench codec --json` contract: one JSON object with exactly these keys."""
+
+import subprocess
+import sys
+
+import orjson
+
+STEP_KEYS = {
+    "step": int,
+    "changed_ratio": float,
+    "full_bytes": int,
+    "wire_bytes": int,
+    "bytes_per_change": float,
+    "entropy_bytes_per_change": float,
+    "encode_gbps": float,
+    "apply_gbps": float,
+    "bit_exact": bool,
+}
+
+
+def test_bench_codec_json_shape_and_bit_exactness():
+    out = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "bench", "codec", "--params", "300000",
+         "--steps", "2", "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout
+    result = orjson.loads(lines[0])
+    assert set(result) == {"params", "memcpy_gbps", "steps"}
+    assert isinstance(result["params"], int)
+    assert result["params"] > 200_000
+    assert isinstance(result["memcpy_gbps"], float)
+    assert result["memcpy_gbps"] > 0
+    assert [s["step"] for s in result["steps"]] == [1, 2]
+    for s in result["steps"]:
+        assert set(s) == set(STEP_KEYS)
+        for key, kind in STEP_KEYS.items():
+            assert isinstance(s[key], kind), (key, s[key])
+        assert s["bit_exact"] is True
+        assert 0.0 < s["changed_ratio"] < 1.0
+        assert 0 < s["wire_bytes"] < s["full_bytes"]
+        assert s["entropy_bytes_per_change"] > 0
+
+
+def test_bench_codec_table_names_the_targets():
+    out = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "bench", "codec", "--params", "100000",
+         "--steps", "1", "--repeat", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "bit-exact" in out.stdout
+    assert "x the bound" in out.stdout
+    assert "x memcpy" in out.stdout
