@@ -29,7 +29,7 @@ from deltarl.codecs.decoder import VersionApply
 from deltarl.codecs.encoder import Chunk, DeltaEncoder
 from deltarl.codecs.entropy import iid_bound_bytes_per_change
 from deltarl.codecs.manifest import RefitManifest
-from deltarl.engine.layout import Layout
+from deltarl.codecs.warmup import warm_up
 from deltarl.sim.realistic_deltas import RealisticDeltas
 
 TARGETS = {"bytes_per_change_vs_bound": 1.05, "encode_vs_memcpy": 0.3, "apply_vs_memcpy": 0.5}
@@ -54,25 +54,8 @@ def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
     return nbytes / _median_time(lambda: np.copyto(dst, src), repeat) / 1e9
 
 
-def _warm_up() -> None:
-    """Compile (or load from cache) every kernel on a small layout before timing."""
-    layout = Layout.pack([("w", "bfloat16", (4096,)), ("b", "float32", (64,))])
-    rng = np.random.default_rng(0)
-    ref = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
-    cur = ref.copy()
-    cur[::97] ^= 1
-    enc = DeltaEncoder(layout)
-    e = enc.encode(cur, ref, target_version=1, base_version=0)
-    chunks = list(e)
-    va = VersionApply(layout, ref.copy(), ref, base=0, version=1)
-    for c in chunks:
-        va.apply(c.data)
-    assert e.manifest is not None
-    va.verify(e.manifest)
-
-
 def run(params: int, steps: int, repeat: int, seed: int) -> dict[str, Any]:
-    _warm_up()
+    warm_up()
     gen = RealisticDeltas(params, seed=seed)
     layout = gen.layout
     model_bytes = layout.payload_nbytes

@@ -23,5 +23,5 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
 # numba compiles the codec kernels on first use and caches them beside the sources; doing it
 # here keeps the first real run (or test) from paying for it.
-.venv/bin/python -c "import deltarl.bench.codec as c; c._warm_up()"
+.venv/bin/python -m deltarl.codecs.warmup
 echo "deltarl installed in $(pwd)/.venv"

@@ -56,6 +56,7 @@ class SparseBatch:
 
     itemsize: int
     tensor_ids: np.ndarray  # int64[n]
+    codings: np.ndarray  # int64[n]: each record's value coding
     starts: np.ndarray  # int64[n]: first element of each record's range within its tensor
     counts: np.ndarray  # int64[n]
     out_off: np.ndarray  # int64[n]: each record's region in positions / zval
@@ -138,17 +139,23 @@ def apply_chunk(
             [dtype_of(layout.tensors[t].dtype).kind == "float" for t in batch.tensor_ids]
         )
         assert reference is not None
-        coding = chunk.records[0].val_coding if chunk.records else VAL_RAW
-        for flag in (True, False):
-            sel = is_float == flag
-            if not sel.any():
-                continue
-            kernels.scatter_sparse(
-                target.view(bits), reference.view(bits),
-                offsets[sel] // batch.itemsize + batch.starts[sel],
-                batch.counts[sel], batch.out_off[sel], batch.positions, batch.zval,
-                coding, flag,
-            )  # fmt: skip
+        # one scatter per (value coding, float or int): the kernel is specialised on both
+        for coding in np.unique(batch.codings):
+            for flag in (True, False):
+                sel = (is_float == flag) & (batch.codings == coding)
+                if not sel.any():
+                    continue
+                kernels.scatter_sparse(
+                    target.view(bits),
+                    reference.view(bits),
+                    offsets[sel] // batch.itemsize + batch.starts[sel],
+                    batch.counts[sel],
+                    batch.out_off[sel],
+                    batch.positions,
+                    batch.zval,
+                    int(coding),
+                    flag,
+                )
     for h, coded in chunk.dense:
         spec = layout.tensors[h.tensor_id]
         is_float = dtype_of(spec.dtype).kind == "float"
@@ -294,7 +301,7 @@ def _check_records(header: FrameHeader, records: list[RecordHeader], layout: Lay
             continue
         if r.changed == 0:
             raise FrameError(f"{where}: a sparse record with no changed elements")
-        if r.pos_k >= kernels.POSITION_WIDTH or r.val_k >= 8 * r.itemsize:
+        if r.pos_k >= kernels.POSITION_WIDTH or r.val_k >= min(32, 8 * r.itemsize):
             raise FrameError(f"{where}: Rice parameters {r.pos_k}/{r.val_k} out of range")
         if r.pos_coding == POS_BITMAP and (r.pos_k or r.pos_len != (r.length + 7) // 8):
             raise FrameError(f"{where}: bitmap of {r.pos_len} bytes for {r.length} elements")
@@ -409,6 +416,7 @@ def _decode_sparse(
             SparseBatch(
                 itemsize,
                 np.array([r.tensor_id for r in rs], np.int64),
+                np.array([r.val_coding for r in rs], np.int64),
                 np.array([r.start for r in rs], np.int64),
                 counts,
                 out_off,

@@ -161,7 +161,7 @@ class DeltaEncoder:
         # A record's raw size is at most ~2.3x its model bytes (worst-case Rice); items of at
         # most a quarter chunk of 8-byte elements keep every record well inside one chunk.
         # Multiples of 64 elements keep item starts word-aligned for the kernels.
-        self.item_elems = max(64, min(item_elems, chunk_bytes // 4 // 8 // 64 * 64))
+        self.item_elems = max(64, min(item_elems, chunk_bytes // 4 // 8) // 64 * 64)
         self._scratch: dict[int, _Scratch] = {}
 
     # -- public -----------------------------------------------------------------------------
@@ -275,12 +275,13 @@ class DeltaEncoder:
         enc.timings.checksum_s += t1 - t0
 
         records: list[_Record] = []
-        by_size: dict[int, list[int]] = {}
+        # One kernel call per (width, float or int): the ordered delta differs between them.
+        by_size: dict[tuple[int, str], list[int]] = {}
         for tid in wave:
             spec = self.layout.tensors[tid]
             if spec.numel:
-                by_size.setdefault(spec.itemsize, []).append(tid)
-        for itemsize, tids in by_size.items():
+                by_size.setdefault((spec.itemsize, dtype_of(spec.dtype).kind), []).append(tid)
+        for (itemsize, _), tids in by_size.items():
             if ref is None:
                 records.extend(self._full_records(tids, cur, tallies))
             else:

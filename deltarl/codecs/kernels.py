@@ -108,7 +108,7 @@ def _tally(count, total, x):
     total[length] += float(x)
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _rice_choose(count, total, escape, width):
     """The best Rice parameter for numbers tallied by bit length (count and sum per bucket).
 
@@ -117,7 +117,7 @@ def _rice_choose(count, total, escape, width):
     """
     best_k = 0
     best = -1.0
-    for k in range(width):
+    for k in range(min(width, 32)):  # the bit writer takes at most 32 bits at a time
         cost = 0.0
         for length in range(65):
             c = count[length]
@@ -153,7 +153,7 @@ def _put(dst, d, acc, nacc, value, nbits):
     return d, acc, nacc
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _flush(dst, d, acc, nacc):
     """Write the pending bits, zero-padded to a byte; return the end offset."""
     while nacc > 0:
@@ -265,7 +265,7 @@ def _get_rice(src, r, end, acc, nacc, k, escape, width):  # noqa: PLR0911 - one 
     return _get_bits(src, r, end, acc, nacc, width)
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _finished(r, end, acc, nacc):
     """OK if the stream was read to its end and only zero padding (< 8 bits) is left."""
     if r != end or nacc >= 8:
@@ -294,7 +294,7 @@ def _emit(
     return c + 1, p
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _diff_item(
     ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float, hist
 ):

@@ -1,0 +1,167 @@
+"""VersionApply: every chunk at most once, the right version only, and a verify that passes only
+when the manifest's chunks all arrived and every tensor hashes right (contracts 1 and 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from deltarl.codecs.checksum import tensor_digest
+from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
+from deltarl.codecs.frame import NO_BASE, FrameError
+from deltarl.codecs.manifest import RefitManifest
+from tests.codecs.forge import OFF_TARGET, patch, reseal
+from tests.codecs.sample_delta import BASE, TARGET, Case, make_case
+
+
+@pytest.fixture(scope="module")
+def case() -> Case:
+    return make_case()
+
+
+# -- VersionApply: duplicates, the manifest, verification -------------------------------------
+
+
+def _apply_all(case: Case, *, inplace: bool = False) -> tuple[VersionApply, np.ndarray]:
+    ref = case.ref.copy()
+    target = ref if inplace else case.ref.copy()
+    apply = VersionApply(case.layout, target, ref, base=BASE, version=TARGET)
+    for c in case.chunks:
+        assert apply.apply(c) is True
+    return apply, target
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["separate", "in-place"])
+def test_duplicate_chunk_is_acknowledged_and_changes_nothing(case: Case, inplace: bool) -> None:
+    apply, target = _apply_all(case, inplace=inplace)
+    done = target.tobytes()
+    assert done == case.cur.tobytes()
+    for c in [case.chunks[0], case.chunks[-1], *case.chunks]:
+        assert apply.apply(c) is False
+    assert target.tobytes() == done
+    apply.verify(case.chunks_manifest)
+
+
+def test_duplicate_in_the_middle_of_a_version(case: Case) -> None:
+    ref = case.ref.copy()
+    apply = VersionApply(case.layout, ref, ref, base=BASE, version=TARGET)
+    assert apply.apply(case.chunks[1]) is True
+    snapshot = ref.tobytes()
+    assert apply.apply(case.chunks[1]) is False
+    assert ref.tobytes() == snapshot
+    for c in reversed(case.chunks):
+        apply.apply(c)
+    assert ref.tobytes() == case.cur.tobytes()
+    apply.verify(case.chunks_manifest)
+
+
+def test_same_chunk_id_with_another_checksum_is_refused(case: Case) -> None:
+    apply, target = _apply_all(case)
+    done = target.tobytes()
+    other = reseal(case.chunks[0][:-1] + bytes([case.chunks[0][-1] ^ 1]))
+    with pytest.raises(FrameError, match=r"chunk 0 of version 4 arrived twice with different"):
+        apply.apply(other)
+    assert target.tobytes() == done
+
+
+def test_chunk_of_another_version_with_an_applied_id(case: Case) -> None:
+    apply, target = _apply_all(case)
+    done = target.tobytes()
+    later = patch(case.chunks[0], OFF_TARGET, "q", TARGET + 1)
+    with pytest.raises(FrameError, match=r"frame is for version 5, expected version 4"):
+        apply.apply(later)
+    assert target.tobytes() == done
+
+
+def test_verify_passes_after_all_chunks(case: Case) -> None:
+    apply, _ = _apply_all(case)
+    apply.verify(case.chunks_manifest)
+    apply.verify(RefitManifest.from_json(case.chunks_manifest.to_json()))
+
+
+def test_verify_fails_if_a_chunk_is_missing(case: Case) -> None:
+    ref = case.ref.copy()
+    apply = VersionApply(case.layout, case.ref.copy(), ref, base=BASE, version=TARGET)
+    for c in case.chunks[:1] + case.chunks[2:]:
+        apply.apply(c)
+    with pytest.raises(FrameError, match=r"version 4: chunks \[1\] have not arrived"):
+        apply.verify(case.chunks_manifest)
+
+
+def test_verify_fails_if_a_chunk_was_not_listed(case: Case) -> None:
+    apply, _ = _apply_all(case)
+    m = case.chunks_manifest
+    short = dataclasses.replace(m, chunks=m.chunks[:-1])
+    last = len(m.chunks) - 1
+    with pytest.raises(FrameError, match=rf"not listed: \[{last}\]"):
+        apply.verify(short)
+
+
+def test_verify_fails_if_a_listed_checksum_differs(case: Case) -> None:
+    apply, _ = _apply_all(case)
+    m = case.chunks_manifest
+    bad = dataclasses.replace(m.chunks[0], xxh3_64=m.chunks[0].xxh3_64 ^ 1)
+    with pytest.raises(FrameError, match=r"checksum differs: \[0\]"):
+        apply.verify(dataclasses.replace(m, chunks=[bad, *m.chunks[1:]]))
+
+
+@pytest.mark.parametrize("name", ["w", "bias", "blk"])
+def test_verify_names_a_tensor_tampered_after_apply(case: Case, name: str) -> None:
+    apply, target = _apply_all(case)
+    case.layout.view(target, name)[-1] ^= 1
+    with pytest.raises(
+        ChecksumMismatchError, match=rf"version 4: 1 tensor\(s\) differ.*{name}"
+    ) as e:
+        apply.verify(case.chunks_manifest)
+    assert e.value.names == [name]
+    assert e.value.version == TARGET
+
+
+def test_verify_names_every_tampered_tensor(case: Case) -> None:
+    apply, target = _apply_all(case)
+    for name in ("emb", "i8"):
+        case.layout.view(target, name)[0] ^= 0x40
+    with pytest.raises(ChecksumMismatchError, match=r"2 tensor\(s\) differ after apply: emb, i8"):
+        apply.verify(case.chunks_manifest)
+
+
+def test_verify_checks_the_whole_model_digest(case: Case) -> None:
+    apply, _ = _apply_all(case)
+    m = dataclasses.replace(case.chunks_manifest, model_xxh3_128="0" * 32)
+    with pytest.raises(ChecksumMismatchError, match="whole-model checksum"):
+        apply.verify(m)
+
+
+def test_verify_refuses_a_manifest_of_another_layout(case: Case) -> None:
+    apply, _ = _apply_all(case)
+    m = case.chunks_manifest
+    t = dataclasses.replace(m.tensors[0], shape=[4096])
+    with pytest.raises(ChecksumMismatchError, match="does not describe this layout"):
+        apply.verify(dataclasses.replace(m, tensors=[t, *m.tensors[1:]]))
+
+
+@pytest.mark.parametrize(
+    ("version", "base", "match"),
+    [
+        (TARGET + 1, BASE, r"manifest is for 3->5, this apply is 3->4"),
+        (TARGET, BASE - 1, r"manifest is for 2->4, this apply is 3->4"),
+        (TARGET, NO_BASE, r"manifest is for -1->4, this apply is 3->4"),
+    ],
+)
+def test_verify_refuses_a_manifest_of_another_version(
+    case: Case, version: int, base: int, match: str
+) -> None:
+    apply, _ = _apply_all(case)
+    m = dataclasses.replace(case.chunks_manifest, version=version, base_version=base)
+    with pytest.raises(FrameError, match=match):
+        apply.verify(m)
+
+
+def test_manifest_digests_are_the_tensor_digests(case: Case) -> None:
+    for i, t in enumerate(case.chunks_manifest.tensors):
+        assert t.xxh3_128 == tensor_digest(case.layout.view(case.cur, i))
+    assert [c.id for c in case.chunks_manifest.chunks] == list(range(len(case.chunks)))
+    assert re.fullmatch(r"[0-9a-f]{32}", case.chunks_manifest.model_xxh3_128)
