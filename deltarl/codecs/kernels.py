@@ -101,19 +101,18 @@ def _decode_value(z, old, coding, sign_shift, magnitude, mask, is_float):
 
 
 @njit(inline="always")
-def _tally(count, total, x):
+def _tally(count, x):
     """Count x in its bit-length bucket (for _rice_choose)."""
-    length = 0 if x == _U0 else 64 - np.int64(leading_zeros(x))
-    count[length] += 1
-    total[length] += float(x)
+    count[0 if x == _U0 else 64 - np.int64(leading_zeros(x))] += 1
 
 
 @njit(cache=True)
-def _rice_choose(count, total, escape, width):
-    """The best Rice parameter for numbers tallied by bit length (count and sum per bucket).
+def _rice_choose(count, escape, width):
+    """The best Rice parameter for numbers tallied by bit length.
 
-    The cost of every k is estimated from the buckets. A mean-based guess is not enough: a
-    few outliers (a sign flip among +-1 ulp steps) would inflate k for every other value.
+    The cost of every k is estimated from the buckets, taking the numbers of bit length L to
+    lie at 3/4 of 2**L on average. A mean-based guess is not enough: a few outliers (a sign
+    flip among +-1 ulp steps) would inflate k for every other value.
     """
     best_k = 0
     best = -1.0
@@ -123,8 +122,9 @@ def _rice_choose(count, total, escape, width):
             c = count[length]
             if c == 0:
                 continue
+            q = max(0.0, 0.75 * 2.0 ** (length - k) - 0.5) if length > k else 0.0
             # unary + terminator + k bits, at most the escape's cost
-            cost += min(c * (1 + k) + total[length] / 2.0**k, c * (escape + width))
+            cost += c * min(q + 1 + k, escape + width)
         if best < 0 or cost < best:
             best = cost
             best_k = k
@@ -289,8 +289,8 @@ def _emit(
     )
     pos[o + c] = p
     zval[o + c] = z
-    _tally(hist[0], hist[1], np.uint64(p - prev - 1))
-    _tally(hist[2], hist[3], z - _U1)
+    _tally(hist[0], np.uint64(p - prev - 1))
+    _tally(hist[1], z - _U1)
     return c + 1, p
 
 
@@ -300,8 +300,8 @@ def _diff_item(
 ):
     """Write the changed positions (relative to s) and coded values of one item; return count.
 
-    ``hist`` (4 x 65) receives the bit-length tallies of the gaps (rows 0, 1) and of the
-    coded values minus one (rows 2, 3) for choosing the Rice parameters.
+    ``hist`` (2 x 65) receives the bit-length tallies of the gaps (row 0) and of the coded
+    values minus one (row 1) for choosing the Rice parameters.
     """
     c = 0
     prev = np.int64(-1)
@@ -424,7 +424,7 @@ def encode_sparse(  # numba kernels are typed by their arguments
         s = starts[i]
         n = lengths[i]
         o = out_off[i]
-        hist = np.zeros((4, 65), np.float64)
+        hist = np.zeros((2, 65), np.int64)
         c = _diff_item(
             ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float,
             hist,
@@ -436,8 +436,8 @@ def encode_sparse(  # numba kernels are typed by their arguments
             pos_len[i] = 0
             val_len[i] = 0
             continue
-        kp = _rice_choose(hist[0], hist[1], POSITION_WIDTH, POSITION_WIDTH)
-        kv = _rice_choose(hist[2], hist[3], escape, width)
+        kp = _rice_choose(hist[0], POSITION_WIDTH, POSITION_WIDTH)
+        kv = _rice_choose(hist[1], escape, width)
         pos_k[i] = kp
         val_k[i] = kv
 
