@@ -279,11 +279,13 @@ def _finished(r, end, acc, nacc):
 
 
 @njit(inline="always")
-def _emit(
-    ref, cur, e, s, o, c, prev, pos, zval, coding, sign_shift, magnitude, mask, is_float, hist
-):
-    """Record element e as changed: its position, coded value, and both numbers' tallies."""
+def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist):
+    """Record element e as changed: its position, coded value, and both numbers' tallies.
+
+    ``code`` is the value coding's (coding, sign_shift, magnitude, mask, is_float).
+    """
     p = e - s
+    coding, sign_shift, magnitude, mask, is_float = code
     z = _code_value(
         np.uint64(cur[e]), np.uint64(ref[e]), coding, sign_shift, magnitude, mask, is_float
     )
@@ -295,9 +297,7 @@ def _emit(
 
 
 @njit(cache=True)
-def _diff_item(
-    ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float, hist
-):
+def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist):
     """Write the changed positions (relative to s) and coded values of one item; return count.
 
     ``hist`` (2 x 65) receives the bit-length tallies of the gaps (row 0) and of the coded
@@ -323,23 +323,7 @@ def _diff_item(
             e = s + b * 64
             while m != _U0:
                 j = np.int64(trailing_zeros(m))
-                c, prev = _emit(
-                    ref,
-                    cur,
-                    e + j,
-                    s,
-                    o,
-                    c,
-                    prev,
-                    pos,
-                    zval,
-                    coding,
-                    sign_shift,
-                    magnitude,
-                    mask,
-                    is_float,
-                    hist,
-                )
+                c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist)
                 m &= m - _U1
         tail = s + nb * 64
     else:
@@ -351,43 +335,11 @@ def _diff_item(
                 e = w * lanes
                 for j in range(lanes):
                     if ref[e + j] != cur[e + j]:
-                        c, prev = _emit(
-                            ref,
-                            cur,
-                            e + j,
-                            s,
-                            o,
-                            c,
-                            prev,
-                            pos,
-                            zval,
-                            coding,
-                            sign_shift,
-                            magnitude,
-                            mask,
-                            is_float,
-                            hist,
-                        )
+                        c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist)
         tail = s + nw * lanes
     for e in range(tail, s + n):
         if ref[e] != cur[e]:
-            c, prev = _emit(
-                ref,
-                cur,
-                e,
-                s,
-                o,
-                c,
-                prev,
-                pos,
-                zval,
-                coding,
-                sign_shift,
-                magnitude,
-                mask,
-                is_float,
-                hist,
-            )
+            c, prev = _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist)
     return c
 
 
@@ -420,15 +372,13 @@ def encode_sparse(  # numba kernels are typed by their arguments
     mask = _ALL >> np.uint64(64 - width)
     magnitude = mask >> _U1
     escape = width
+    code = (coding, sign_shift, magnitude, mask, is_float)
     for i in prange(starts.shape[0]):
         s = starts[i]
         n = lengths[i]
         o = out_off[i]
         hist = np.zeros((2, 65), np.int64)
-        c = _diff_item(
-            ref, cur, refw, curw, s, n, o, pos, zval, coding, sign_shift, magnitude, mask, is_float,
-            hist,
-        )  # fmt: skip
+        c = _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist)
         counts[i] = c
         if c == 0:
             pos_k[i] = 0
