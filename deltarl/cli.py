@@ -1,4 +1,8 @@
-"""The `deltarl` command: one entry point for the daemons, control and benchmarks."""
+"""The `deltarl` command: one entry point for the daemons, control and benchmarks.
+
+Subcommands parse their own arguments (each module's ``main(argv)``), so ``deltarl X --help``
+shows X's options; this module only dispatches and keeps heavy imports out of the others.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run a benchmark", add_help=False)
     bench.add_argument("name", choices=BENCHES)
+    sub.add_parser("ctl", help="send a control command to a running daemon", add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.command == "bench" and args.name == "codec":
         from deltarl.bench import codec  # noqa: PLC0415 - heavy imports only when used
 
         return codec.main(rest)
+    if args.command == "ctl":
+        from deltarl import ctl  # noqa: PLC0415 - heavy imports only when used
+
+        return ctl.main(rest)
     ap.error(f"unknown command {args.command}")
     return 2
 

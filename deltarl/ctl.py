@@ -1,0 +1,219 @@
+"""``deltarl ctl TARGET COMMAND``: send one control command to a running daemon.
+
+TARGET is a daemon name, looked up in the ``[daemons.NAME] control = "..."`` table of the
+configuration (TOML, or JSON if the file ends in ``.json``), or an endpoint (``ipc://...``,
+``tcp://...``). The configuration is ``--config FILE``, else ``$DELTARL_CONFIG``, else
+``/etc/deltarl/deltarl.toml`` if it exists.
+
+Output is human-readable by default and exactly one JSON object on stdout with ``--json``
+(also on failure: ``{"ok": false, "error": {"code", "message"}, ...}``).
+
+Exit codes: 0 done; 1 the daemon answered with an error; 2 usage or configuration error
+(including an unknown target name); 3 no reply in time (daemon down or wrong endpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from deltarl.transport.control import (
+    DEFAULT_TIMEOUT,
+    ControlProtocolError,
+    ControlTimeoutError,
+    check_endpoint,
+    request_sync,
+)
+from deltarl.transport.messages import (
+    Command,
+    Drain,
+    Error,
+    GetStatus,
+    Ok,
+    Pause,
+    Reply,
+    Resume,
+    Resync,
+    Rollback,
+    Shutdown,
+    Status,
+)
+
+EXIT_OK = 0
+EXIT_ERROR_REPLY = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+CONFIG_ENV = "DELTARL_CONFIG"
+DEFAULT_CONFIG = Path("/etc/deltarl/deltarl.toml")
+
+COMMAND_NAMES = ("status", "pause", "resume", "drain", "resync", "rollback", "shutdown")
+
+
+class TargetError(ValueError):
+    """TARGET names no daemon, or the configuration that should name it is unusable.
+
+    ``code`` is what ``--json`` reports: ``unknown_target``, ``config`` or ``usage``.
+    """
+
+    def __init__(self, message: str, code: str = "config") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """The configuration at ``path``: JSON if it ends in ``.json``, TOML otherwise."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TargetError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        config = orjson.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode())
+    except (orjson.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TargetError(f"config {path} is not valid: {e}") from None
+    if not isinstance(config, dict):
+        raise TargetError(f"config {path} must be a table/object at the top level")
+    return config
+
+
+def config_path(explicit: str | None, environ: Mapping[str, str] = os.environ) -> Path | None:
+    """Which configuration to read: the flag, the environment, the default if it exists."""
+    if explicit:
+        return Path(explicit)
+    if environ.get(CONFIG_ENV):
+        return Path(environ[CONFIG_ENV])
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+
+def resolve_target(target: str, path: Path | None) -> str:
+    """The control endpoint of TARGET: the target itself if it is an endpoint, else its
+    ``[daemons.TARGET] control`` entry."""
+    if "://" in target:
+        try:
+            return check_endpoint(target)
+        except ValueError as e:
+            raise TargetError(str(e), "usage") from None
+    if path is None:
+        raise TargetError(
+            f"unknown target {target!r}: no config to look it up in"
+            f" (use --config FILE or set {CONFIG_ENV}, or give an ipc:// or tcp:// endpoint)",
+            "unknown_target",
+        )
+    daemons = load_config(path).get("daemons", {})
+    if not isinstance(daemons, dict):
+        raise TargetError(f"config {path}: 'daemons' must be a table")
+    entry = daemons.get(target)
+    if entry is None:
+        known = ", ".join(sorted(daemons)) or "none"
+        message = f"unknown target {target!r}: config {path} names daemons: {known}"
+        raise TargetError(message, "unknown_target")
+    endpoint = entry.get("control") if isinstance(entry, dict) else None
+    if not isinstance(endpoint, str):
+        raise TargetError(f"config {path}: [daemons.{target}] has no 'control' endpoint")
+    try:
+        return check_endpoint(endpoint)
+    except ValueError as e:
+        raise TargetError(f"config {path}: [daemons.{target}]: {e}") from None
+
+
+def build_command(name: str, to_version: int | None) -> Command:
+    if to_version is not None and name != "rollback":
+        raise TargetError("--to is only meaningful with rollback", "usage")
+    commands: dict[str, Command] = {
+        "status": GetStatus(),
+        "pause": Pause(),
+        "resume": Resume(),
+        "drain": Drain(),
+        "resync": Resync(),
+        "rollback": Rollback(version=to_version),
+        "shutdown": Shutdown(),
+    }
+    return commands[name]
+
+
+def _flatten(fields: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
+    """Nested status fields as dotted keys; strings as they are, other values as JSON."""
+    for key, value in fields.items():
+        if isinstance(value, dict) and value:
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            text = value if isinstance(value, str) else orjson.dumps(value).decode()
+            yield f"{prefix}{key}", text
+
+
+def format_status(status: Status) -> str:
+    """``key: value`` lines with the values aligned: daemon, state, then the daemon's fields."""
+    rows = [("daemon", status.daemon), ("state", status.state), *_flatten(status.fields)]
+    width = max(len(key) for key, _ in rows) + 1
+    return "\n".join(f"{key + ':':<{width}} {value}" for key, value in rows)
+
+
+def format_reply(target: str, command: Command, reply: Reply) -> str:
+    """What a person reads for a reply that is not an error."""
+    if isinstance(reply, Status):
+        return format_status(reply)
+    if isinstance(reply, Ok):
+        return f"{target}: {command.TAG}: ok" + (f" ({reply.detail})" if reply.detail else "")
+    return f"{target}: {command.TAG}: {reply.TAG}: {orjson.dumps(reply).decode()}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="deltarl ctl",
+        description="send a control command to a running deltarl daemon",
+        epilog="exit codes: 0 done, 1 error reply, 2 usage or config error, 3 no reply in time",
+    )
+    ap.add_argument("target", help="daemon name from the config, or an ipc:// or tcp:// endpoint")
+    ap.add_argument("command", choices=COMMAND_NAMES)
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--config", metavar="FILE", help=f"TOML or JSON config (or ${CONFIG_ENV})")
+    ap.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds to wait"
+    )
+    ap.add_argument("--to", type=int, metavar="VERSION", help="rollback: the version to restore")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    report: dict[str, Any] = {"ok": False, "target": args.target, "command": args.command}
+
+    def fail(code: str, message: str, exit_code: int) -> int:
+        if args.json:
+            print(orjson.dumps({**report, "error": {"code": code, "message": message}}).decode())
+        else:
+            print(f"deltarl ctl: {message}", file=sys.stderr)
+        return exit_code
+
+    if not args.timeout > 0:
+        return fail("usage", f"--timeout must be positive, got {args.timeout:g}", EXIT_USAGE)
+    try:
+        command = build_command(args.command, args.to)
+        endpoint = resolve_target(args.target, config_path(args.config))
+    except TargetError as e:
+        return fail(e.code, str(e), EXIT_USAGE)
+    report["endpoint"] = endpoint
+    try:
+        reply = request_sync(endpoint, command, args.timeout)
+    except ControlTimeoutError as e:
+        return fail("unreachable", str(e), EXIT_UNREACHABLE)
+    except ControlProtocolError as e:
+        return fail("protocol", str(e), EXIT_ERROR_REPLY)
+
+    if isinstance(reply, Error):
+        message = f"{args.target}: {command.TAG} failed: {reply.code}: {reply.message}"
+        return fail(reply.code, message, EXIT_ERROR_REPLY)
+    if args.json:
+        report.update(ok=True, reply={"type": reply.TAG, "body": dataclasses.asdict(reply)})
+        print(orjson.dumps(report).decode())
+    else:
+        print(format_reply(args.target, command, reply))
+    return EXIT_OK

@@ -1,0 +1,431 @@
+"""A daemon's control plane: a ROUTER server with typed handlers and a DEALER client.
+
+Every daemon binds one ``ControlServer`` (``ipc://`` on one host, ``tcp://`` across hosts)
+and answers the commands it has handlers for; ``deltarl ctl`` and the other daemons talk to
+it with ``ControlClient``. Events (PUB/SUB) are in ``events.py``. The frames are described
+in ``messages.py``. Nothing here knows what a command means: handlers are plain coroutines
+registered per command class, so the server's decode table is exactly what it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import zmq
+import zmq.asyncio
+
+from deltarl.transport.messages import (
+    COMMANDS,
+    MAX_MESSAGE_BYTES,
+    REPLIES,
+    Command,
+    Error,
+    ErrorCode,
+    MessageError,
+    Reply,
+    Request,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    peek_request_id,
+)
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("ipc://", "tcp://")
+DEFAULT_TIMEOUT = 5.0  # seconds a client waits for a reply unless told otherwise
+
+# A handler takes the command instance of the class it is registered for. The mapping from
+# class to handler is heterogeneous, which the type system cannot say, hence Any.
+Handler = Callable[[Any], Awaitable[Reply]]
+
+
+class ControlTimeoutError(TimeoutError):
+    """No reply in time: the daemon is down, stuck, or the endpoint is wrong."""
+
+
+class ControlProtocolError(ConnectionError):
+    """The peer answered with something that is not a valid reply, or the client went away."""
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is an ``ipc://`` or ``tcp://`` address, else a clear ValueError."""
+    if not endpoint.startswith(SCHEMES) or endpoint.endswith("://"):
+        raise ValueError(
+            f"bad control endpoint {endpoint!r}: expected ipc://PATH or tcp://HOST:PORT"
+        )
+    return endpoint
+
+
+def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:
+    """Bind and return the address actually bound (``tcp://127.0.0.1:*`` gets its port)."""
+    try:
+        sock.bind(check_endpoint(endpoint))
+    except zmq.ZMQError as e:
+        raise OSError(f"cannot bind {endpoint}: {e}") from e
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """What the server must know to answer a running request if it has to cancel it."""
+
+    identity: bytes
+    request_id: int
+    tag: str
+
+
+class ControlServer:
+    """Answers typed commands on a ROUTER socket with the handler registered for each class.
+
+    Use as ``async with ControlServer(endpoint, {GetStatus: on_status, ...}) as server:``
+    (binds, then serves in a task until the block ends or a handler calls ``stop()``), or
+    ``server.bind()`` and ``await server.serve()`` to own the task yourself.
+
+    Backpressure: at most ``max_in_flight`` handlers run at once; a request beyond that is
+    answered ``busy`` at once rather than queued, so a flood cannot grow memory or make a
+    ``status`` wait behind it. Replies never block: ROUTER drops a reply to a peer that is gone.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        handlers: Mapping[type[Command], Handler],
+        *,
+        name: str = "daemon",
+        commands: Mapping[str, type[Command]] = COMMANDS,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_in_flight: int = 64,
+        default_timeout: float = 30.0,
+        grace: float = 5.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.name = name
+        self._endpoint = check_endpoint(endpoint)
+        self._handlers = dict(handlers)
+        # The decode table: the standard commands (so an unhandled one is "unsupported"
+        # rather than "unknown") plus every class a handler is registered for.
+        self._commands = dict(commands)
+        for cls in self._handlers:
+            if self._commands.setdefault(cls.TAG, cls) is not cls:
+                raise ValueError(f"{cls.__name__} reuses the tag {cls.TAG!r}")
+        self._max_bytes = max_message_bytes
+        self._max_in_flight = max_in_flight
+        self._default_timeout = default_timeout
+        self._grace = grace
+        self._context = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._stopping = asyncio.Event()
+        self._running: dict[asyncio.Task[None], _InFlight] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The bound address once bound (with the real port), the configured one before."""
+        return self._endpoint
+
+    def bind(self) -> str:
+        """Bind the ROUTER (once; again is a no-op) and return the bound endpoint."""
+        if self._sock is not None:
+            return self._endpoint
+        sock = self._context.socket(zmq.ROUTER)
+        # The hard cap at which libzmq drops the connection without a word; below it, and
+        # above max_message_bytes, the server still parses nothing and answers "too_large".
+        sock.setsockopt(zmq.MAXMSGSIZE, 16 * self._max_bytes)
+        # On close, give replies already queued a moment to leave (a shutdown's own "ok").
+        sock.setsockopt(zmq.LINGER, 500)
+        self._endpoint = bind_endpoint(sock, self._endpoint)
+        self._sock = sock
+        return self._endpoint
+
+    def stop(self) -> None:
+        """Stop receiving; in-flight handlers finish (within ``grace``). Safe from a handler."""
+        self._stopping.set()
+
+    async def __aenter__(self) -> Self:
+        self.bind()
+        self._task = asyncio.create_task(self.serve(), name=f"control:{self.name}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        if self._task is not None:
+            await self._task
+
+    async def wait_stopped(self) -> None:
+        """Return once the server has closed (after ``stop()`` or a failure)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def serve(self) -> None:
+        """Answer requests until ``stop()``; then drain and close.
+
+        One request, as the ROUTER sees it:
+
+            RECEIVED  [identity, kind, id, body]
+              | too large, malformed, unknown tag, bad fields --> reply Error(code), done
+              | no handler for this command ---------------------> reply Error(unsupported)
+              | max_in_flight handlers already running -----------> reply Error(busy)
+              v
+            RUNNING   the handler, in its own task, bounded by the request's timeout
+              | returns a Reply ----------------------------------> reply it
+              | raises, or returns something unsendable ----------> reply Error(handler_failed)
+              | runs past the timeout (cancelled) ----------------> reply Error(timeout)
+              | still running after stop() + grace (cancelled) ---> reply Error(stopping)
+            REPLIED   exactly once; the reply echoes the id (0 when the id was unreadable)
+
+        The server: BOUND -> SERVING -stop()-> DRAINING (nothing more is read; requests
+        still queued are dropped with the socket and their clients time out) -> CLOSED.
+        """
+        if self._sock is None:
+            self.bind()
+        sock = self._sock
+        if sock is None:  # for the type checker: bind() sets it or raises
+            raise RuntimeError(f"{self.name}: control socket is not bound")
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            while True:
+                # 1) wait for a request or for stop()
+                receive = asyncio.ensure_future(sock.recv_multipart())
+                await asyncio.wait({receive, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not receive.done():
+                    receive.cancel()
+                    break
+                # 2) decode it and answer at once, or start its handler
+                await self._dispatch(receive.result())
+        finally:
+            stopping.cancel()
+            # 3) drain: running handlers finish or are cancelled and answered "stopping"
+            await self._drain()
+            sock.close()
+            self._sock = None
+
+    async def _dispatch(self, frames: list[bytes]) -> None:
+        identity, payload = frames[0], frames[1:]
+        request_id = peek_request_id(payload)
+        try:
+            request = decode_request(payload, self._commands, self._max_bytes)
+        except MessageError as e:
+            logger.warning("%s: bad request from peer %s: %s", self.name, identity.hex(), e)
+            await self._reply(identity, request_id, Error(e.code, e.message))
+            return
+        tag = request.command.TAG
+        handler = self._handlers.get(type(request.command))
+        if handler is None:
+            handled = ", ".join(sorted(cls.TAG for cls in self._handlers))
+            message = f"{self.name} does not handle {tag!r}; it handles: {handled}"
+            await self._reply(identity, request_id, Error(ErrorCode.UNSUPPORTED, message))
+            return
+        if len(self._running) >= self._max_in_flight:
+            message = f"{self.name} has {len(self._running)} requests in flight; retry later"
+            await self._reply(identity, request_id, Error(ErrorCode.BUSY, message))
+            return
+        task = asyncio.create_task(self._handle(identity, request, handler))
+        self._running[task] = _InFlight(identity, request_id, tag)
+        task.add_done_callback(self._running.pop)
+
+    async def _handle(self, identity: bytes, request: Request, handler: Handler) -> None:
+        tag, request_id = request.command.TAG, request.request_id
+        timeout = request.timeout or self._default_timeout
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                reply = await handler(request.command)
+            frames = _encode_handler_reply(request_id, reply)
+        except Exception as e:
+            if isinstance(e, TimeoutError) and deadline.expired():
+                message = f"{self.name}: {tag!r} did not finish within {timeout:g} s"
+                frames = encode_reply(request_id, Error(ErrorCode.TIMEOUT, message))
+            else:
+                # A handler's bug must become an error reply, not take the control plane
+                # down: this socket is how an operator finds out what went wrong.
+                logger.exception("%s: handler for %r failed", self.name, tag)
+                message = f"{self.name}: {tag!r} failed: {type(e).__name__}: {e}"
+                frames = encode_reply(request_id, Error(ErrorCode.HANDLER_FAILED, message))
+        await self._send(identity, frames)
+
+    async def _reply(self, identity: bytes, request_id: int, reply: Reply) -> None:
+        await self._send(identity, encode_reply(request_id, reply))
+
+    async def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        if self._sock is not None:
+            await self._sock.send_multipart([identity, *frames])
+
+    async def _drain(self) -> None:
+        if not self._running:
+            return
+        _, late = await asyncio.wait(list(self._running), timeout=self._grace)
+        cancelled = [(task, self._running[task]) for task in late]
+        for task, _ in cancelled:
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in cancelled), return_exceptions=True)
+        for _, req in cancelled:
+            message = f"{self.name} is shutting down; {req.tag!r} was cancelled"
+            await self._reply(req.identity, req.request_id, Error(ErrorCode.STOPPING, message))
+
+
+def _encode_handler_reply(request_id: int, reply: object) -> list[bytes]:
+    """A handler's reply as frames; TypeError if it is not a Reply or not JSON-encodable."""
+    if not isinstance(reply, Reply):
+        raise TypeError(f"handler returned {type(reply).__name__}, not a Reply")
+    return encode_reply(request_id, reply)
+
+
+class ControlClient:
+    """Sends typed commands to one daemon and matches replies to requests by id.
+
+    Several requests may be in flight at once; a reader task routes each reply to the
+    request with its id. A reply that arrives after its request timed out is dropped.
+
+    Invariant: no request outlives its timeout in this client's queues. A DEALER queues
+    what it sends until a peer is connected, so a request to a daemon that is down would be
+    delivered whenever the daemon comes back (a stale "shutdown" an hour later). After a
+    timeout, once nothing else is in flight, the socket is therefore closed with LINGER 0,
+    which drops anything still queued, and the next request opens a fresh one (the "lazy
+    pirate" of the ZeroMQ guide). ZMQ_IMMEDIATE would not queue to absent peers in the first
+    place, but it also discards replies that arrived just before the peer disconnected, which
+    loses the "ok" of a ``shutdown``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replies: Mapping[str, type[Reply]] = REPLIES,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = check_endpoint(endpoint)
+        self._replies = replies
+        self._max_bytes = max_message_bytes
+        self._context = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._stale = False  # a request timed out; its frames may still be queued
+        self._ids = itertools.count(1)  # 0 is NO_REQUEST_ID
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, 16 * self._max_bytes)
+            sock.connect(self.endpoint)
+            self._sock = sock
+            self._reader = asyncio.create_task(self._read(sock), name=f"ctl:{self.endpoint}")
+            self._reader.add_done_callback(self._reader_done)
+        return self._sock
+
+    def _reset(self) -> None:
+        """Close the socket, dropping whatever it still queues; the next request reopens."""
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._stale = False
+
+    # The timeout is part of the request (the server bounds the handler by it), so it is a
+    # parameter rather than the caller's asyncio.timeout.
+    async def request(self, command: Command, timeout: float = DEFAULT_TIMEOUT) -> Reply:  # noqa: ASYNC109
+        """Send ``command`` and return its reply (``Error`` replies are returned, not raised).
+
+        Raises ControlTimeoutError, naming the endpoint and the command, if no reply comes
+        in time, and ControlProtocolError if the reply is malformed.
+        """
+        sock = self._connect()
+        request_id = next(self._ids)
+        reply: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = reply
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                await sock.send_multipart(encode_request(request_id, command, timeout))
+                return await reply
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            self._stale = True
+            raise ControlTimeoutError(
+                f"no reply from {self.endpoint} to {command.TAG!r} within {timeout:g} s"
+                " (is the daemon running, and is this its control endpoint?)"
+            ) from None
+        finally:
+            self._pending.pop(request_id, None)
+            if self._stale and not self._pending:
+                self._reset()
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            waiter = self._pending.get(peek_request_id(frames))
+            try:
+                _, reply = decode_reply(frames, self._replies, self._max_bytes)
+            except MessageError as e:
+                if waiter is None or waiter.done():
+                    logger.warning("malformed reply from %s: %s", self.endpoint, e)
+                else:
+                    waiter.set_exception(
+                        ControlProtocolError(f"malformed reply from {self.endpoint}: {e}")
+                    )
+                continue
+            if waiter is None or waiter.done():
+                logger.debug("dropping a late reply from %s", self.endpoint)
+                continue
+            waiter.set_result(reply)
+
+    def _reader_done(self, task: asyncio.Task[None]) -> None:
+        # The reader is only cancelled by _reset/close; if it died of an error instead, fail
+        # every pending request now rather than letting each run into its timeout.
+        if task.cancelled() or task.exception() is None:
+            return
+        error = ControlProtocolError(f"reading from {self.endpoint} failed: {task.exception()}")
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    async def close(self) -> None:
+        """Close the socket; requests still in flight fail with ControlProtocolError."""
+        reader = self._reader
+        self._reset()
+        if reader is not None:
+            # Its fate is already reported (_reader_done); only wait for it to finish.
+            await asyncio.gather(reader, return_exceptions=True)
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_exception(ControlProtocolError(f"client for {self.endpoint} closed"))
+
+
+def request_sync(endpoint: str, command: Command, timeout: float = DEFAULT_TIMEOUT) -> Reply:
+    """One request from synchronous code (the CLI): its own event loop, client and socket.
+
+    Not for use inside a running event loop; there, use ``ControlClient`` directly.
+    """
+
+    async def once() -> Reply:
+        async with ControlClient(endpoint) as client:
+            return await client.request(command, timeout)
+
+    return asyncio.run(once())
