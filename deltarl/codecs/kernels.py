@@ -391,24 +391,23 @@ def encode_sparse(  # numba kernels are typed by their arguments
         pos_k[i] = kp
         val_k[i] = kv
 
-        d = pos_cap_off[i]
-        acc = _U0
-        nacc = 0
+        # Both streams in one loop: their writer states are independent, so the CPU works
+        # on the two codes of an element at once.
+        dp, accp, naccp = pos_cap_off[i], _U0, 0
+        dv, accv, naccv = val_cap_off[i], _U0, 0
         prev = np.int64(-1)
         for j in range(c):
             p = np.int64(pos[o + j])
-            d, acc, nacc = _put_rice(
-                pos_dst, d, acc, nacc, np.uint64(p - prev - 1), kp, POSITION_WIDTH, POSITION_WIDTH
-            )
+            gap = np.uint64(p - prev - 1)
             prev = p
-        pos_len[i] = _flush(pos_dst, d, acc, nacc) - pos_cap_off[i]
-
-        d = val_cap_off[i]
-        acc = _U0
-        nacc = 0
-        for j in range(c):
-            d, acc, nacc = _put_rice(val_dst, d, acc, nacc, zval[o + j] - _U1, kv, escape, width)
-        val_len[i] = _flush(val_dst, d, acc, nacc) - val_cap_off[i]
+            dp, accp, naccp = _put_rice(
+                pos_dst, dp, accp, naccp, gap, kp, POSITION_WIDTH, POSITION_WIDTH
+            )
+            dv, accv, naccv = _put_rice(
+                val_dst, dv, accv, naccv, zval[o + j] - _U1, kv, escape, width
+            )
+        pos_len[i] = _flush(pos_dst, dp, accp, naccp) - pos_cap_off[i]
+        val_len[i] = _flush(val_dst, dv, accv, naccv) - val_cap_off[i]
 
 
 # -- decode and apply --------------------------------------------------------------------------
