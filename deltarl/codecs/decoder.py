@@ -123,8 +123,9 @@ def decode_chunk(
     """Validate and decode one chunk. ``base``/``target``, when given, must match the frame.
 
     ``base`` is the version the receiver holds (None: it holds nothing, so only a full
-    version is acceptable). The decoded arrays live in ``scratch`` (this thread's by
-    default) until its next use: apply the chunk before decoding another.
+    version is acceptable). With a ``scratch``, the decoded arrays are views into it and
+    last only until its next use (VersionApply decodes and applies chunk by chunk, so it
+    uses this thread's scratch); without one they are freshly allocated.
     """
     buf = memoryview(data).cast("B")
     header = FrameHeader.parse(buf)
@@ -158,7 +159,7 @@ def decode_chunk(
         streams.append(StreamHeader(kind, comp, raw_len, wire_len))
     _check_records(header, records, layout)
     raw = _read_streams(header, records, streams, body[tables:])
-    sparse = _decode_sparse(records, raw, layout, scratch or _default_scratch())
+    sparse = _decode_sparse(records, raw, layout, scratch or DecodeScratch())
     dense = _split_planes(records, raw)
     return DecodedChunk(header, records, sparse, dense, len(buf))
 
@@ -265,7 +266,9 @@ class VersionApply:
                     f"different checksums ({seen:016x} then {header.checksum:016x})"
                 )
             return False
-        decoded = decode_chunk(data, self.layout, base=self.base, target=self.version)
+        decoded = decode_chunk(
+            data, self.layout, base=self.base, target=self.version, scratch=_default_scratch()
+        )
         apply_chunk(decoded, self.layout, self.target, self.reference)
         self.applied[header.chunk_id] = header.checksum
         return True
