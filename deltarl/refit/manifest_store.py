@@ -1,0 +1,509 @@
+"""The export agent's record of every version: its manifest, its state, what became of it.
+
+This is seed 004's "manifest and version service": one row per version the export agent
+built, with the manifest (as JSON), the numbers an operator asks for first (kind, base,
+wire bytes, elements changed) and where the version is in its life. It answers "which
+version is live", "what did receivers last get in full" and "is a full resync due".
+
+Storage is one sqlite file in WAL mode (standard library only). WAL lets readers in other
+processes (``deltarl ctl``, a status page, a test) read while the agent writes; every write
+is one ``BEGIN IMMEDIATE`` transaction with ``synchronous=FULL``, so a crash at any point,
+``kill -9`` included, leaves the file as it was before or after the whole transition.
+
+The state machine (seed 004, step 4: pending -> uploaded -> verified -> active, or failed)::
+
+    pending ──► uploaded ──► verified ──► active ◄──► superseded
+       │           │            │                          │
+       └───────────┴────────────┴──────► failed ◄──────────┘
+
+- ``superseded`` is the state a version enters when another one is activated. It is a state
+  of its own rather than a return to ``verified``: it records that the version *was* live
+  (so ``history`` tells what receivers ran, and when). Activating it again is a rollback.
+- ``active`` is left only by being superseded, never by failing: the live version is the
+  receivers' base, so it cannot be declared bad without naming its replacement (activate a
+  good version, then fail the superseded one).
+- ``failed`` is final. Failing a version also fails every not-yet-active delta built on it,
+  transitively: a delta on a failed base is built on weights no receiver holds, the silent
+  drift seed 004 calls the most dangerous failure of the whole link.
+
+Invariants, kept by the schema itself where sqlite can (CHECK constraints and a partial
+unique index) and by the transactions below where it cannot:
+
+- I1: at most one version is ``active`` (unique index ``versions_one_active``).
+- I2: once any version has been active, exactly one is: activation demotes the old active
+  version and promotes the new one in one transaction, and nothing else leaves ``active``.
+- I3: a ``full`` version has base ``NO_BASE`` (-1) and a ``delta`` has a base below its own
+  version (CHECK constraints); a delta is recorded only on a base that is recorded and not
+  failed.
+- I4: every state change follows ``TRANSITIONS``; anything else raises ``TransitionError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from types import TracebackType
+
+from deltarl.codecs.frame import NO_BASE
+from deltarl.codecs.manifest import RefitManifest
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1  # PRAGMA user_version of a store this module wrote
+
+
+class State(StrEnum):
+    PENDING = "pending"  # recorded: encoded (or encoding), not yet all on the wire
+    UPLOADED = "uploaded"  # every chunk sent
+    VERIFIED = "verified"  # receivers checked every chunk and tensor against the manifest
+    ACTIVE = "active"  # the live version: receivers flipped their pointer to it
+    SUPERSEDED = "superseded"  # was active; another version has been activated since
+    FAILED = "failed"  # final: never to be activated, never a base
+
+
+# I4: the legal moves. ACTIVE -> SUPERSEDED happens only inside an activation of another
+# version, so it is not something ``mark`` accepts on its own (see ``_mark``).
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.PENDING: frozenset({State.UPLOADED, State.FAILED}),
+    State.UPLOADED: frozenset({State.VERIFIED, State.FAILED}),
+    State.VERIFIED: frozenset({State.ACTIVE, State.FAILED}),
+    State.ACTIVE: frozenset(),
+    State.SUPERSEDED: frozenset({State.ACTIVE, State.FAILED}),
+    State.FAILED: frozenset(),
+}
+
+# Not yet live: what a failure cascades to (a superseded version has been live; it stays).
+_NOT_YET_LIVE = (State.PENDING, State.UPLOADED, State.VERIFIED)
+
+_SCHEMA = (
+    f"""
+    CREATE TABLE IF NOT EXISTS versions (
+        version      INTEGER PRIMARY KEY CHECK (version >= 0),
+        base_version INTEGER NOT NULL,
+        kind         TEXT    NOT NULL CHECK (kind IN ('delta', 'full')),
+        state        TEXT    NOT NULL CHECK (state IN ({", ".join(f"'{s}'" for s in State)})),
+        created      REAL    NOT NULL,  -- seconds since the epoch, when recorded
+        updated      REAL    NOT NULL,  -- seconds since the epoch, last state change
+        wire_bytes   INTEGER NOT NULL,
+        changed      INTEGER NOT NULL,
+        manifest     TEXT    NOT NULL,  -- RefitManifest.to_json()
+        error        TEXT,              -- why it failed: NULL unless state = 'failed'
+        CHECK ((kind = 'full') = (base_version = {NO_BASE})),
+        CHECK (kind = 'full' OR base_version < version)
+    )
+    """,
+    # I1, kept by sqlite itself: a second active row cannot exist, even inside a transaction.
+    "CREATE UNIQUE INDEX IF NOT EXISTS versions_one_active ON versions (state)"
+    " WHERE state = 'active'",
+    "CREATE INDEX IF NOT EXISTS versions_by_state ON versions (state, version)",
+    "CREATE INDEX IF NOT EXISTS versions_by_base ON versions (base_version)",
+)
+
+
+class ManifestStoreError(Exception):
+    """The manifest store cannot do what was asked; the message says why."""
+
+
+class TransitionError(ManifestStoreError):
+    """A state change the state machine does not allow."""
+
+    def __init__(self, version: int, current: State, requested: State, why: str = "") -> None:
+        if why:
+            detail = why
+        elif current == State.ACTIVE:
+            detail = "the active version is left only by activating another one"
+        elif not TRANSITIONS[current]:
+            detail = f"{current} is final"
+        else:
+            detail = f"allowed from {current}: {', '.join(sorted(TRANSITIONS[current]))}"
+        super().__init__(f"version {version}: cannot go from {current} to {requested} ({detail})")
+        self.version = version
+        self.current = current
+        self.requested = requested
+
+
+class UnknownVersionError(ManifestStoreError, KeyError):
+    """A version the store has no record of."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
+
+
+class DuplicateVersionError(ManifestStoreError):
+    """A version recorded twice."""
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """One row of the store, as read in one consistent snapshot."""
+
+    version: int
+    base_version: int  # NO_BASE (-1) for a full version
+    kind: str  # "delta" | "full"
+    state: State
+    created: float  # seconds since the epoch, when recorded
+    updated: float  # seconds since the epoch, last state change
+    wire_bytes: int
+    changed: int
+    manifest_json: str = field(repr=False)
+    error: str | None  # set only when state is FAILED
+
+    @property
+    def manifest(self) -> RefitManifest:
+        """The manifest as it was recorded (parsed and validated on each access)."""
+        return RefitManifest.from_json(self.manifest_json)
+
+
+def _row(row: tuple) -> VersionRecord:
+    """A record from a ``SELECT *`` row (columns in the order of the CREATE TABLE above)."""
+    v, base, kind, state, created, updated, wire, changed, manifest, error = row
+    return VersionRecord(
+        v, base, kind, State(state), created, updated, wire, changed, manifest, error
+    )
+
+
+def _enable_wal(conn: sqlite3.Connection, path: Path) -> None:
+    # WAL: readers never block the writer nor see a half-written transaction.
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode != "wal":
+        raise ManifestStoreError(f"{path}: cannot use WAL mode (got {mode})")
+    # FULL: a committed transition survives power loss, not only a process crash.
+    conn.execute("PRAGMA synchronous=FULL")
+
+
+class ManifestStore:
+    """The version table in one sqlite file; one writer process, any number of readers.
+
+    ``readonly=True`` opens an existing store for reading only (another process may be writing
+    it meanwhile); ``record`` and ``mark`` then raise. Every method is safe to call from several
+    threads (one connection, serialized by a lock), e.g. from ``asyncio.to_thread``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        readonly: bool = False,
+        busy_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self._clock = clock
+        self._lock = threading.Lock()
+        if readonly:
+            if not self.path.exists():
+                raise FileNotFoundError(f"no manifest store at {self.path}")
+            target, uri = f"{self.path.resolve().as_uri()}?mode=ro", True
+        else:
+            target, uri = str(self.path), False
+        # isolation_level=None: no implicit transactions; every write below opens its own
+        # BEGIN IMMEDIATE, so a read-check-write cannot interleave with another writer's.
+        conn = sqlite3.connect(
+            target,
+            uri=uri,
+            timeout=busy_timeout_s,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        self._conn: sqlite3.Connection | None = conn
+        try:
+            if readonly:
+                self._check_schema()
+            else:
+                _enable_wal(conn, self.path)
+                self._create_schema()
+        except BaseException:
+            conn.close()
+            self._conn = None
+            raise
+
+    # -- opening and closing -------------------------------------------------------------
+
+    def _create_schema(self) -> None:
+        with self._write() as conn:
+            found = conn.execute("PRAGMA user_version").fetchone()[0]
+            if found not in (0, SCHEMA_VERSION):
+                raise ManifestStoreError(
+                    f"{self.path}: manifest store schema {found}, this deltarl reads "
+                    f"{SCHEMA_VERSION}"
+                )
+            # One statement at a time: executescript() would COMMIT this transaction first.
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _check_schema(self) -> None:
+        found = self._db().execute("PRAGMA user_version").fetchone()[0]
+        if found != SCHEMA_VERSION:
+            raise ManifestStoreError(
+                f"{self.path}: not a manifest store this deltarl reads "
+                f"(schema {found}, expected {SCHEMA_VERSION})"
+            )
+
+    def close(self) -> None:
+        """Close the connection; idempotent. Committed transitions are already on disk."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> ManifestStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise ManifestStoreError(f"manifest store {self.path} is closed")
+        return self._conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One atomic write transaction: committed whole on success, rolled back on error.
+
+        A crash inside it leaves nothing behind: the WAL frames of an uncommitted transaction
+        are ignored when the file is next opened.
+        """
+        if self.readonly:
+            raise ManifestStoreError(f"manifest store {self.path} was opened read-only")
+        conn = self._db()
+        # IMMEDIATE takes the write lock now, before the reads that decide what to write.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:  # not after a COMMIT that went through
+                conn.execute("ROLLBACK")
+            raise
+
+    # -- writes --------------------------------------------------------------------------
+
+    def record(self, manifest: RefitManifest) -> VersionRecord:
+        """Record a newly built version in state ``pending``.
+
+        Raises ``DuplicateVersionError`` if the version is recorded already, and
+        ``ManifestStoreError`` if it is malformed or a delta on a base that is unknown or
+        failed (I3): a receiver can only hold a base that was recorded and did not fail.
+        """
+        m = manifest
+        if m.kind not in ("delta", "full"):
+            raise ManifestStoreError(
+                f"version {m.version}: kind {m.kind!r} is neither delta nor full"
+            )
+        if m.version < 0:
+            raise ManifestStoreError(f"version {m.version}: versions are not negative")
+        if m.kind == "full" and m.base_version != NO_BASE:
+            raise ManifestStoreError(
+                f"version {m.version}: a full version has no base (got base {m.base_version})"
+            )
+        if m.kind == "delta" and not 0 <= m.base_version < m.version:
+            raise ManifestStoreError(
+                f"version {m.version}: a delta's base must be an earlier version "
+                f"(got base {m.base_version})"
+            )
+        now = self._clock()
+        with self._lock, self._write() as conn:
+            if conn.execute("SELECT 1 FROM versions WHERE version = ?", (m.version,)).fetchone():
+                raise DuplicateVersionError(f"version {m.version} is recorded already")
+            if m.kind == "delta":
+                base = conn.execute(
+                    "SELECT state FROM versions WHERE version = ?", (m.base_version,)
+                ).fetchone()
+                if base is None:
+                    raise ManifestStoreError(
+                        f"version {m.version}: delta on base {m.base_version}, which this store "
+                        "has no record of (send a full version)"
+                    )
+                if base[0] == State.FAILED:
+                    raise ManifestStoreError(
+                        f"version {m.version}: delta on base {m.base_version}, which failed "
+                        "(no receiver holds it; send a full version)"
+                    )
+            conn.execute(
+                "INSERT INTO versions (version, base_version, kind, state, created, updated,"
+                " wire_bytes, changed, manifest, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                (
+                    m.version,
+                    m.base_version,
+                    m.kind,
+                    State.PENDING.value,
+                    now,
+                    now,
+                    m.wire_bytes,
+                    m.changed,
+                    m.to_json().decode(),
+                ),
+            )
+            return self._get(conn, m.version)
+
+    def mark(self, version: int, state: State | str, *, error: str | None = None) -> VersionRecord:
+        """Move ``version`` to ``state`` (see the module's state machine); return its new record.
+
+        - ``active``: the previously active version, if any, becomes ``superseded`` in the same
+          transaction (I1, I2). Activating a superseded version is a rollback.
+        - ``failed``: ``error`` says why; every not-yet-active delta built on this version,
+          directly or not, fails with it.
+
+        Raises ``UnknownVersionError`` for a version never recorded and ``TransitionError``
+        (naming the version, its current state and the requested one) for an illegal move.
+        """
+        try:
+            target = State(state)
+        except ValueError:
+            known = ", ".join(s.value for s in State)
+            raise ManifestStoreError(
+                f"version {version}: unknown state {state!r} (states: {known})"
+            ) from None
+        if error is not None and target != State.FAILED:
+            raise ManifestStoreError(
+                f"version {version}: an error text goes with state failed, not {target}"
+            )
+        with self._lock, self._write() as conn:
+            return self._mark(conn, version, target, error)
+
+    def _mark(
+        self, conn: sqlite3.Connection, version: int, target: State, error: str | None
+    ) -> VersionRecord:
+        row = conn.execute("SELECT state FROM versions WHERE version = ?", (version,)).fetchone()
+        if row is None:
+            raise UnknownVersionError(f"version {version} is not recorded")
+        current = State(row[0])
+        if target == State.SUPERSEDED and current == State.ACTIVE:
+            raise TransitionError(
+                version, current, target, "a version is superseded by activating another one"
+            )
+        if target not in TRANSITIONS[current]:
+            raise TransitionError(version, current, target)
+        now = self._clock()
+        if target == State.ACTIVE:
+            # I2: demote and promote in this one transaction. Demote first: the unique index
+            # (I1) refuses a second active row even inside a transaction.
+            conn.execute(
+                "UPDATE versions SET state = ?, updated = ? WHERE state = ?",
+                (State.SUPERSEDED.value, now, State.ACTIVE.value),
+            )
+        conn.execute(
+            "UPDATE versions SET state = ?, updated = ?, error = ? WHERE version = ?",
+            (target.value, now, error, version),
+        )
+        if target == State.FAILED:
+            self._fail_descendants(conn, version, error, now)
+        logger.debug("manifest store: version %d %s -> %s", version, current, target)
+        return self._get(conn, version)
+
+    def _fail_descendants(
+        self, conn: sqlite3.Connection, version: int, error: str | None, now: float
+    ) -> None:
+        """Fail every not-yet-live delta whose chain of bases reaches ``version``."""
+        doomed = [
+            v
+            for (v,) in conn.execute(
+                """
+                WITH RECURSIVE doomed(v) AS (
+                    SELECT version FROM versions
+                        WHERE base_version = ? AND kind = 'delta' AND state IN (?, ?, ?)
+                    UNION
+                    SELECT versions.version FROM versions JOIN doomed
+                        ON versions.base_version = doomed.v
+                        WHERE versions.kind = 'delta' AND versions.state IN (?, ?, ?)
+                )
+                SELECT v FROM doomed ORDER BY v
+                """,
+                (version, *_NOT_YET_LIVE, *_NOT_YET_LIVE),
+            )
+        ]
+        if not doomed:
+            return
+        why = f"base version {version} failed" + (f": {error}" if error else "")
+        conn.executemany(
+            "UPDATE versions SET state = ?, updated = ?, error = ? WHERE version = ?",
+            [(State.FAILED.value, now, why, v) for v in doomed],
+        )
+        logger.warning(
+            "manifest store: version %d failed; so do the deltas built on it: %s", version, doomed
+        )
+
+    # -- reads (each one SELECT: one consistent snapshot, even while another process writes) --
+
+    def _get(self, conn: sqlite3.Connection, version: int) -> VersionRecord:
+        row = conn.execute("SELECT * FROM versions WHERE version = ?", (version,))
+        return _row(row.fetchone())
+
+    def _one(self, sql: str, params: tuple = ()) -> VersionRecord | None:
+        with self._lock:
+            row = self._db().execute(sql, params).fetchone()
+        return None if row is None else _row(row)
+
+    def get(self, version: int) -> VersionRecord | None:
+        """The record of ``version``, or None if it was never recorded."""
+        return self._one("SELECT * FROM versions WHERE version = ?", (version,))
+
+    def latest(self, state: State | str | None = None) -> VersionRecord | None:
+        """The highest recorded version (in ``state``, if given), or None."""
+        if state is None:
+            return self._one("SELECT * FROM versions ORDER BY version DESC LIMIT 1")
+        return self._one(
+            "SELECT * FROM versions WHERE state = ? ORDER BY version DESC LIMIT 1",
+            (State(state).value,),
+        )
+
+    def active(self) -> VersionRecord | None:
+        """The live version, or None if no version has been activated yet."""
+        return self.latest(State.ACTIVE)
+
+    def history(self, limit: int = 100) -> list[VersionRecord]:
+        """The ``limit`` highest versions, newest first, whatever their state."""
+        if limit < 0:
+            raise ValueError(f"history limit must not be negative, got {limit}")
+        with self._lock:
+            rows = self._db().execute(
+                "SELECT * FROM versions ORDER BY version DESC LIMIT ?", (limit,)
+            )
+            return [_row(r) for r in rows.fetchall()]
+
+    def last_full(self) -> VersionRecord | None:
+        """The newest full version that did not fail, or None: the last alignment point."""
+        return self._one(
+            "SELECT * FROM versions WHERE kind = 'full' AND state != ? "
+            "ORDER BY version DESC LIMIT 1",
+            (State.FAILED.value,),
+        )
+
+    def versions_since_full(self) -> int | None:
+        """How many versions (failed ones not counted) came after ``last_full``.
+
+        None if no full version has been recorded (or all failed): then a full one is due
+        whatever the resync interval. The export agent sends a full version when this reaches
+        its ``full_resync_every``, which bounds every delta chain (DESIGN contract 4).
+        """
+        with self._lock:
+            full, count = (
+                self._db()
+                .execute(
+                    """
+                    WITH f AS (SELECT MAX(version) AS v FROM versions
+                               WHERE kind = 'full' AND state != :failed)
+                    SELECT f.v, (SELECT COUNT(*) FROM versions
+                                 WHERE state != :failed AND version > f.v)
+                    FROM f
+                    """,
+                    {"failed": State.FAILED.value},
+                )
+                .fetchone()
+            )
+        return None if full is None else int(count)

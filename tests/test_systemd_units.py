@@ -1,0 +1,196 @@
+"""The units under systemd/: `systemd-analyze verify` accepts them, and each says what it must.
+
+verify wants ExecStart's binary to exist, so it checks copies whose ExecStart points at an
+executable stub; nothing else in the copies differs from the shipped files.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from deltarl import ctl
+from deltarl.engine.segment import segment_path
+
+SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
+SERVICES = {"export": "deltarl-export.service", "apply": "deltarl-apply.service"}
+TARGET = "deltarl.target"
+BINARY = "/usr/local/bin/deltarl"
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+# What verify may say about the machine running the test rather than about the units: the
+# service user does not exist here. Anything else it prints fails the test.
+ENVIRONMENT_NOISE = (
+    re.compile(r"Failed to resolve (user|group) ['\"]?deltarl['\"]?"),
+    re.compile(r"(User|Group) ['\"]?deltarl['\"]? (does not exist|not found)"),
+)
+
+Unit = dict[str, list[tuple[str, str]]]
+
+
+def parse_unit(text: str) -> Unit:
+    """Sections of a unit file as (key, value) lists: keys may repeat (Environment=)."""
+    sections: Unit = {}
+    current: list[tuple[str, str]] | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        assert not line.endswith("\\"), f"continuation lines are not expected: {raw!r}"
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+            continue
+        assert current is not None, f"directive outside a section: {raw!r}"
+        key, sep, value = line.partition("=")
+        assert sep, f"not a directive: {raw!r}"
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def values(unit: Unit, section: str, key: str) -> list[str]:
+    return [v for k, v in unit.get(section, []) if k == key]
+
+
+def one(unit: Unit, section: str, key: str) -> str:
+    found = values(unit, section, key)
+    assert len(found) == 1, f"[{section}] {key}= should appear once, found {found}"
+    return found[0]
+
+
+def load(name: str) -> Unit:
+    return parse_unit((SYSTEMD / name).read_text())
+
+
+@pytest.mark.parametrize("daemon", sorted(SERVICES))
+def test_service_has_every_required_directive(daemon: str) -> None:
+    unit = load(SERVICES[daemon])
+    expected = {
+        "Type": "notify",
+        "NotifyAccess": "main",
+        "WatchdogSec": "30",
+        "Restart": "on-failure",
+        "KillMode": "mixed",
+        "ExecStart": f"{BINARY} {daemon} --config /etc/deltarl/deltarl.toml",
+        "EnvironmentFile": "-/etc/deltarl/deltarl.env",
+        "User": "deltarl",
+        "RuntimeDirectory": "deltarl",
+        # Shared by every deltarl unit on the host: one unit stopping must not delete it.
+        "RuntimeDirectoryPreserve": "yes",
+        "StateDirectory": "deltarl",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+    }
+    for key, value in expected.items():
+        assert one(unit, "Service", key) == value, key
+    assert set(one(unit, "Service", "ReadWritePaths").split()) == {
+        "/dev/shm",
+        "/var/lib/deltarl",
+        "/run/deltarl",
+    }
+    assert float(one(unit, "Service", "RestartSec")) > 0
+    assert float(one(unit, "Service", "TimeoutStopSec")) > 0
+    assert one(unit, "Unit", "PartOf") == TARGET
+    assert one(unit, "Install", "WantedBy") == TARGET
+    # JIT compilers (numba, torch) need writable-executable memory; GPUs need /dev.
+    for forbidden in ("MemoryDenyWriteExecute", "PrivateDevices", "ProtectClock"):
+        assert not values(unit, "Service", forbidden), forbidden
+
+
+def test_target_is_installed_in_multi_user() -> None:
+    unit = load(TARGET)
+    assert one(unit, "Install", "WantedBy") == "multi-user.target"
+    assert not unit.get("Service")
+
+
+def stub_copies(tmp_path: Path) -> dict[str, Path]:
+    """Copies of the units whose ExecStart runs an executable stub under tmp_path."""
+    stub = tmp_path / "bin" / "deltarl"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    units = tmp_path / "units"
+    units.mkdir()
+    copies = {}
+    for name in (*SERVICES.values(), TARGET):
+        text = (SYSTEMD / name).read_text()
+        stubbed = text.replace(f"ExecStart={BINARY} ", f"ExecStart={stub} ")
+        assert (stubbed != text) == name.endswith(".service")  # only ExecStart= changed
+        copies[name] = units / name
+        copies[name].write_text(stubbed)
+    return copies
+
+
+def verify(*paths: Path) -> tuple[int, list[str]]:
+    assert SYSTEMD_ANALYZE is not None
+    done = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--man=no", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    lines = (done.stdout + done.stderr).splitlines()
+    complaints = [
+        line
+        for line in lines
+        if line.strip() and not any(p.search(line) for p in ENVIRONMENT_NOISE)
+    ]
+    return done.returncode, complaints
+
+
+needs_verify = pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")
+
+
+@needs_verify
+@pytest.mark.parametrize("name", [*SERVICES.values(), TARGET])
+def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path, name: str) -> None:
+    copies = stub_copies(tmp_path)
+    rc, complaints = verify(copies[name], copies[TARGET])
+    assert complaints == []
+    assert rc == 0
+
+
+@needs_verify
+def test_verify_check_catches_a_bad_unit(tmp_path: Path) -> None:
+    """The check above can fail: a misspelt key and a missing binary are both reported."""
+    copies = stub_copies(tmp_path)
+    broken = copies[SERVICES["export"]]
+    text = broken.read_text().replace("KillMode=mixed", "KilMode=mixed")
+    broken.write_text(text.replace(str(tmp_path / "bin" / "deltarl"), "/nonexistent/deltarl"))
+    rc, complaints = verify(broken, copies[TARGET])
+    assert any("Unknown key" in line and "KilMode" in line for line in complaints)
+    assert any("/nonexistent/deltarl" in line for line in complaints)
+    assert rc != 0
+
+
+def test_config_example_names_each_unit_daemon_and_its_stores() -> None:
+    path = SYSTEMD / "deltarl.toml.example"
+    config = tomllib.loads(path.read_text())
+    for daemon, name in SERVICES.items():
+        # `deltarl ctl export status` resolves through this very table.
+        assert ctl.resolve_target(daemon, path) == f"ipc:///run/deltarl/{daemon}.sock"
+        # The socket lives in the units' RuntimeDirectory.
+        assert one(load(name), "Service", "RuntimeDirectory") == "deltarl"
+    export, apply = config["daemons"]["export"], config["daemons"]["apply"]
+    for store in (export["published_store"], apply["rollout_store"]):
+        segment_path(store, None)  # a valid weight-store name, or ValueError
+    assert export["manifest_store"].startswith("/var/lib/deltarl/")  # the StateDirectory
+    assert isinstance(export["full_resync_every"], int)
+    assert export["full_resync_every"] > 0
+
+
+def test_env_example_is_plain_key_value_lines() -> None:
+    # systemd's EnvironmentFile= syntax: KEY=value, no `export`, comments start with '#'.
+    assignment = re.compile(r"#?[A-Z_][A-Z0-9_]*=\S+")
+    lines = (SYSTEMD / "deltarl.env.example").read_text().splitlines()
+    settings = [line for line in lines if assignment.fullmatch(line)]
+    assert settings, "the example should show some settings"
+    for line in lines:
+        assert not line or line.startswith("#") or assignment.fullmatch(line), line
