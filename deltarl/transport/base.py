@@ -1,0 +1,337 @@
+"""The data plane's interface: a chunk sender, a chunk receiver, their configs, one factory.
+
+The export agent sends each version as encoded chunks (``deltarl.codecs``) and a manifest;
+the apply agent receives them. Which bytes travel how is a backend's business, one file per
+backend, chosen by ``config.type``:
+
+    "shm"     shm_link.py   same host: a file per chunk in shared memory, ZeroMQ notices
+    "stream"  stream.py     across regions: parallel TCP connections, acks, resume
+    "ucx"     (later)       inside a region: RDMA through UCX
+
+What every backend promises (the receiver's side of DESIGN.md contract 3, "replay-safe"):
+- chunks and manifests arrive in any order, byte-exact; the receiver checks nothing about
+  their content (the apply agent verifies each chunk's checksum and the manifest);
+- a chunk or manifest received twice is delivered once (``DeliveredSet``);
+- a peer that sends garbage loses its connection or its message, never the receiver.
+
+A received chunk's ``data`` may be a zero-copy view of memory that the transport owns (a
+mapped file for shm). It stays valid until ``release()``; release each chunk once it is
+applied, so the transport can free its memory.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Self
+
+SHM_ROOT = Path("/dev/shm")  # noqa: S108 - tmpfs shared memory, not a temp file
+MAX_VERSION = (1 << 63) - 1  # versions are i64 in the chunk frame (codecs/frame.py)
+MAX_CHUNK_ID = (1 << 32) - 1
+
+
+class LinkError(ConnectionError):
+    """The link cannot deliver: retries exhausted, no receiver in time, or it was closed."""
+
+
+# -- what a receiver yields -------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ReceivedChunk:
+    """One chunk as it arrived. ``data`` is valid until ``release()`` (or the receiver's close)."""
+
+    version: int
+    chunk_id: int
+    data: bytes | memoryview
+    # Frees what the transport holds for this chunk (a mapping, a file); None: nothing to free.
+    _free: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Tell the transport the chunk is consumed. Idempotent; ``data`` is invalid after."""
+        free, self._free = self._free, None
+        if free is not None:
+            free()
+
+
+@dataclass(frozen=True)
+class ReceivedManifest:
+    """One version's manifest, as ``RefitManifest.to_json()`` made it."""
+
+    version: int
+    data: bytes
+
+
+Received = ReceivedChunk | ReceivedManifest
+
+
+# -- configs ----------------------------------------------------------------------------------
+
+
+def _positive(owner: str, **values: float | None) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"{owner}.{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ShmLinkConfig:
+    """A same-host link through files in shared memory (shm_link.py)."""
+
+    type: Literal["shm"] = "shm"
+    name: str = "default"
+    """The link's name: its directory is ``<root>/deltarl-link-<name>``. One receiver per name."""
+    root: Path = SHM_ROOT
+    """Where the link directory lives; tmpfs, so a chunk file is memory, not disk."""
+    endpoint: str | None = None
+    """The ZeroMQ notice socket; default ``ipc://<directory>/notify.sock``."""
+    max_pending_chunks: int = 8
+    """Chunk files this sender may have written that the receiver has not yet released. This
+    bounds the shared memory a slow receiver can make the sender fill; the sender waits."""
+    pending_timeout_s: float = 120.0
+    """How long the sender waits for room (see ``max_pending_chunks``) before raising."""
+    connect_timeout_s: float | None = 120.0
+    """How long the sender waits for a receiver to be listening; None waits forever."""
+    verify_checksum: bool = True
+    """The receiver hashes each file (xxh3-64) against its notice: a file replaced or cut in
+    shared memory is refused here rather than reported as a bad chunk by the decoder."""
+    max_manifest_bytes: int = 64 << 20
+    """Manifests travel inside the notice; a larger one is refused."""
+    keep_versions: int = 8
+    """Versions whose delivered chunk ids the receiver remembers, to drop duplicates."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "ShmLinkConfig",
+            max_pending_chunks=self.max_pending_chunks,
+            pending_timeout_s=self.pending_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            max_manifest_bytes=self.max_manifest_bytes,
+            keep_versions=self.keep_versions,
+        )
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.root) / f"deltarl-link-{self.name}"
+
+
+@dataclass(frozen=True)
+class StreamLinkConfig:
+    """A cross-region link over parallel TCP connections with acks and resume (stream.py)."""
+
+    type: Literal["stream"] = "stream"
+    host: str = "127.0.0.1"
+    """The receiver's address: where it listens, and where the sender connects."""
+    port: int = 0
+    """The receiver's port; 0 lets the receiver pick one (read it back from ``address``)."""
+    connections: int = 4
+    """Parallel TCP connections; chunks go round-robin. One stream rarely fills a long, fat
+    pipe (its window grows slowly after a loss), several together do."""
+    compress: bool = True
+    """zstd each payload, keeping the result only when it is smaller."""
+    compression_level: int = 3
+    window_bytes: int = 512 << 20
+    """Payload bytes sent but not yet acknowledged, at most; ``send_chunk`` waits for room.
+    The sender keeps exactly these bytes to resend after a cut, so this bounds its memory."""
+    max_frame_bytes: int = 256 << 20
+    """The largest payload a peer accepts (after decompression too); larger frames are refused."""
+    ack_timeout_s: float = 120.0
+    """A connection with unacknowledged frames that hears nothing for this long is treated as
+    cut. A receiver whose consumer stalls this long looks the same, and is reconnected."""
+    connect_timeout_s: float = 10.0
+    max_attempts: int = 8
+    """Connection attempts in a row without an acknowledgement before the sender gives up."""
+    backoff_s: float = 0.1
+    """The first retry's delay; it doubles per attempt, with jitter, up to ``backoff_max_s``."""
+    backoff_max_s: float = 5.0
+    queue_size: int = 16
+    """Received items waiting for the consumer; when full, the receiver stops reading its
+    sockets, and TCP's flow control slows the sender."""
+    keep_versions: int = 8
+    """Versions whose delivered chunk ids the receiver remembers (for dedup and resume)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"StreamLinkConfig.port must lie in [0, 65535], got {self.port}")
+        if not 1 <= self.compression_level <= 22:
+            raise ValueError(
+                f"StreamLinkConfig.compression_level must lie in [1, 22], "
+                f"got {self.compression_level}"
+            )
+        _positive(
+            "StreamLinkConfig",
+            connections=self.connections,
+            window_bytes=self.window_bytes,
+            max_frame_bytes=self.max_frame_bytes,
+            ack_timeout_s=self.ack_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            max_attempts=self.max_attempts,
+            backoff_s=self.backoff_s,
+            backoff_max_s=self.backoff_max_s,
+            queue_size=self.queue_size,
+            keep_versions=self.keep_versions,
+        )
+
+
+LinkConfig = ShmLinkConfig | StreamLinkConfig
+
+
+# -- the interface ----------------------------------------------------------------------------
+
+
+class ChunkSender(abc.ABC):
+    """Sends the chunks and the manifest of each version. ``async with`` starts and closes it;
+    the first send starts it too."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Open what the link needs. Idempotent."""
+
+    @abc.abstractmethod
+    async def send_chunk(self, version: int, chunk_id: int, data: bytes | memoryview) -> None:
+        """Hand one chunk to the link. It may return before the chunk arrives; ``data`` must
+        not change until ``send_manifest`` of its version has returned."""
+
+    @abc.abstractmethod
+    async def send_manifest(self, version: int, manifest_json: bytes) -> None:
+        """Send the version's manifest; return once the backend has delivered what it can
+        promise for the version (each backend says what), or raise LinkError."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop; anything not yet delivered is dropped. Idempotent."""
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class ChunkReceiver(abc.ABC):
+    """Yields ``ReceivedChunk`` and ``ReceivedManifest`` items until closed:
+
+    async with make_receiver(config) as receiver:
+        async for item in receiver:
+            ...
+    """
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Listen. Idempotent; iterating starts it too."""
+
+    @abc.abstractmethod
+    async def __anext__(self) -> Received:
+        """The next item; StopAsyncIteration once the receiver is closed."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop listening, release every chunk still held, end the iteration. Idempotent."""
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class DeliveredSet:
+    """Which chunks and manifests of recent versions a receiver has delivered.
+
+    This is what makes receipt idempotent: ``add_*`` is True only the first time. It also
+    answers the stream sender's resume question. Only the newest ``keep_versions`` versions are
+    remembered, so memory stays bounded; a duplicate of an older version is delivered again,
+    which the apply agent ignores (it refuses chunks of a version it is not applying).
+    """
+
+    def __init__(self, keep_versions: int) -> None:
+        self._keep = keep_versions
+        self._chunks: dict[int, set[int]] = {}
+        self._manifests: dict[int, bool] = {}
+
+    def add_chunk(self, version: int, chunk_id: int) -> bool:
+        held = self._version(version)
+        if held is None:
+            return True
+        if chunk_id in held:
+            return False
+        held.add(chunk_id)
+        return True
+
+    def add_manifest(self, version: int) -> bool:
+        if self._version(version) is None:
+            return True
+        if self._manifests[version]:
+            return False
+        self._manifests[version] = True
+        return True
+
+    def chunks(self, version: int) -> list[int]:
+        """The chunk ids of ``version`` delivered so far, ascending."""
+        return sorted(self._chunks.get(version, ()))
+
+    def _version(self, version: int) -> set[int] | None:
+        """The set for ``version``, made if needed; None for one too old to remember."""
+        held = self._chunks.get(version)
+        if held is not None:
+            return held
+        if len(self._chunks) >= self._keep:
+            oldest = min(self._chunks)
+            if version < oldest:
+                return None
+            del self._chunks[oldest], self._manifests[oldest]
+        self._manifests[version] = False
+        return self._chunks.setdefault(version, set())
+
+
+def check_ids(version: int, chunk_id: int = 0) -> None:
+    """ValueError unless both fit the frame's fields (i64 version >= 0, u32 chunk id)."""
+    if not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version {version} is outside [0, 2**63)")
+    if not 0 <= chunk_id <= MAX_CHUNK_ID:
+        raise ValueError(f"chunk id {chunk_id} is outside [0, 2**32)")
+
+
+def make_sender(config: LinkConfig) -> ChunkSender:
+    """The sender of the backend ``config.type`` names."""
+    # Imported here: each backend imports this module, and loads its own dependencies.
+    if config.type == "shm":
+        from deltarl.transport.shm_link import ShmSender  # noqa: PLC0415
+
+        return ShmSender(config)
+    if config.type == "stream":
+        from deltarl.transport.stream import StreamSender  # noqa: PLC0415
+
+        return StreamSender(config)
+    raise ValueError(f"unknown link type {config.type!r}; expected 'shm' or 'stream'")
+
+
+def make_receiver(config: LinkConfig) -> ChunkReceiver:
+    """The receiver of the backend ``config.type`` names."""
+    if config.type == "shm":
+        from deltarl.transport.shm_link import ShmReceiver  # noqa: PLC0415
+
+        return ShmReceiver(config)
+    if config.type == "stream":
+        from deltarl.transport.stream import StreamReceiver  # noqa: PLC0415
+
+        return StreamReceiver(config)
+    raise ValueError(f"unknown link type {config.type!r}; expected 'shm' or 'stream'")

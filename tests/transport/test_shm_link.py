@@ -1,0 +1,427 @@
+"""The same-host link: chunk files in a shared-memory directory, ZeroMQ notices over ipc."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+import zmq
+import zmq.asyncio
+
+from deltarl.codecs.encoder import DeltaEncoder
+from deltarl.engine.layout import Layout
+from deltarl.transport.base import (
+    LinkError,
+    ReceivedChunk,
+    ReceivedManifest,
+    ShmLinkConfig,
+    make_receiver,
+    make_sender,
+)
+from deltarl.transport.shm_link import (
+    CHUNK_FILE,
+    KIND_CHUNK,
+    NOTICE,
+    ShmReceiver,
+    ShmSender,
+    endpoint_of,
+    remove_stale,
+)
+
+Version = tuple[list[bytes], bytes]
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def run(coro: Awaitable[Any], limit: float = 20.0) -> Any:
+    async def bounded() -> Any:
+        async with asyncio.timeout(limit):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+def encoded_versions() -> tuple[Version, Version]:
+    """A full version 1 and a delta 1 -> 2 of a small random layout, in 4 KiB chunks."""
+    layout = Layout.pack([("a", "bfloat16", (20000,)), ("b", "float32", (3000,))])
+    rng = np.random.default_rng(11)
+    v1 = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
+    v2 = v1.copy()
+    v2[rng.choice(v2.size, 2000, replace=False)] ^= 1
+    enc = DeltaEncoder(layout, chunk_bytes=4096)
+    out = []
+    for cur, ref, version in ((v1, None, 1), (v2, v1, 2)):
+        e = enc.encode(cur, ref, target_version=version, base_version=None if ref is None else 1)
+        chunks = [c.data for c in e]
+        assert e.manifest is not None
+        out.append((chunks, e.manifest.to_json()))
+    assert len(out[0][0]) > 4
+    assert len(out[1][0]) > 1
+    return out[0], out[1]
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> ShmLinkConfig:
+    return ShmLinkConfig(name="t", root=tmp_path)
+
+
+def chunk_files(config: ShmLinkConfig) -> list[str]:
+    return sorted(p.name for p in config.directory.iterdir() if CHUNK_FILE.fullmatch(p.name))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: the pid names no process now
+    return proc.pid
+
+
+# -- delivery -----------------------------------------------------------------------------
+
+
+def test_two_versions_arrive_complete_byte_exact_and_zero_copy(config: ShmLinkConfig) -> None:
+    versions = encoded_versions()
+
+    async def main() -> None:
+        async with make_receiver(config) as receiver, make_sender(config) as sender:
+            assert isinstance(receiver, ShmReceiver)
+            for version, (chunks, manifest) in enumerate(versions, start=1):
+
+                async def send(
+                    version: int = version, chunks: list[bytes] = chunks, manifest: bytes = manifest
+                ) -> None:
+                    for i in reversed(range(len(chunks))):  # any order will do
+                        await sender.send_chunk(version, i, chunks[i])
+                    await sender.send_manifest(version, manifest)
+
+                # More chunks than max_pending_chunks: the sender waits for the consumer.
+                assert len(chunks) > config.max_pending_chunks or version == 2
+                sending = asyncio.create_task(send())
+                got: dict[int, bytes] = {}
+                manifests = []
+                while len(got) < len(chunks) or not manifests:
+                    item = await anext(receiver)
+                    if isinstance(item, ReceivedManifest):
+                        manifests.append(item)
+                        continue
+                    assert isinstance(item, ReceivedChunk)
+                    assert item.version == version
+                    assert item.chunk_id not in got
+                    assert isinstance(item.data, memoryview)  # a view of the mapped file
+                    got[item.chunk_id] = bytes(item.data)
+                    assert receiver.held == 1
+                    item.release()
+                    item.release()  # idempotent
+                    assert receiver.held == 0
+                await sending
+                assert got == dict(enumerate(chunks))
+                assert [(m.version, m.data) for m in manifests] == [(version, manifest)]
+                assert chunk_files(config) == []  # every released file is gone
+
+    run(main())
+
+
+def test_a_duplicate_chunk_is_delivered_once_and_its_file_freed(config: ShmLinkConfig) -> None:
+    async def main() -> None:
+        async with make_receiver(config) as receiver, make_sender(config) as sender:
+            for _ in range(2):
+                await sender.send_chunk(3, 0, b"same chunk")
+                await sender.send_manifest(3, b"{}")
+            await sender.send_chunk(3, 1, b"next")
+            items = [await anext(receiver) for _ in range(3)]
+            assert [type(i).__name__ for i in items] == [
+                "ReceivedChunk",
+                "ReceivedManifest",
+                "ReceivedChunk",
+            ]
+            assert isinstance(items[2], ReceivedChunk)
+            assert bytes(items[2].data) == b"next"
+            assert len(chunk_files(config)) == 2  # the two held chunks; the copy is gone
+            assert receiver.held == 2
+
+        assert chunk_files(config) == []  # close released the chunks nobody released
+
+    run(main())
+
+
+def test_a_sender_in_another_process_that_exits_at_once_is_still_heard(
+    config: ShmLinkConfig,
+) -> None:
+    """The real shape of the link: two processes. The sender exits right after its last
+    send; its notices still leave (LINGER) and its files stay readable after it is gone."""
+    script = textwrap.dedent(
+        f"""
+        import asyncio
+        from pathlib import Path
+        from deltarl.transport.base import ShmLinkConfig, make_sender
+
+        async def main():
+            config = ShmLinkConfig(name={config.name!r}, root=Path({str(config.root)!r}))
+            async with make_sender(config) as sender:
+                for i in range(3):
+                    await sender.send_chunk(9, i, bytes([i]) * 1000)
+                await sender.send_manifest(9, b'{{"v": 9}}')
+
+        asyncio.run(main())
+        """
+    )
+
+    async def main() -> None:
+        async with make_receiver(config) as receiver:
+            env = {**os.environ, "PYTHONPATH": REPO}
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, env=env)
+            assert await proc.wait() == 0
+            got = {}
+            while len(got) < 4:
+                item = await anext(receiver)
+                if isinstance(item, ReceivedChunk):
+                    got[item.chunk_id] = bytes(item.data)
+                    item.release()
+                else:
+                    got["manifest"] = item.data
+        assert got == {
+            0: bytes(1000),
+            1: b"\x01" * 1000,
+            2: b"\x02" * 1000,
+            "manifest": b'{"v": 9}',
+        }
+        assert chunk_files(config) == []
+
+    run(main())
+
+
+def test_an_empty_chunk_needs_no_mapping(config: ShmLinkConfig) -> None:
+    async def main() -> None:
+        async with make_receiver(config) as receiver, make_sender(config) as sender:
+            await sender.send_chunk(1, 0, b"")
+            item = await anext(receiver)
+            assert isinstance(item, ReceivedChunk)
+            assert item.data == b""
+            item.release()
+        assert chunk_files(config) == []
+
+    run(main())
+
+
+def test_release_while_the_consumer_still_holds_a_view_still_frees_the_file(
+    config: ShmLinkConfig,
+) -> None:
+    async def main() -> None:
+        async with make_receiver(config) as receiver, make_sender(config) as sender:
+            await sender.send_chunk(1, 0, bytes(range(256)) * 64)
+            item = await anext(receiver)
+            assert isinstance(item, ReceivedChunk)
+            array = np.frombuffer(item.data, np.uint8)  # keeps the mapping exported
+            item.release()
+            assert chunk_files(config) == []
+            assert int(array[255]) == 255  # the pages live as long as the view does
+
+    run(main())
+
+
+# -- partial files, stale files -------------------------------------------------------------
+
+
+def test_a_partial_chunk_file_is_never_visible_under_its_public_name(
+    config: ShmLinkConfig,
+) -> None:
+    """A watcher thread lists the directory while 4 MiB chunks are written: every chunk file it
+    sees under a public name is already whole; only temporary names are ever partial."""
+    size, n = 4 << 20, 12
+    rng = np.random.default_rng(5)
+    chunks = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    seen_public: list[int] = []
+    seen_tmp = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal seen_tmp
+        while not stop.is_set():
+            for entry in os.scandir(config.directory):
+                try:
+                    st_size = entry.stat().st_size
+                except FileNotFoundError:
+                    continue  # released or renamed meanwhile
+                if CHUNK_FILE.fullmatch(entry.name):
+                    seen_public.append(st_size)
+                elif entry.name.endswith(".tmp"):
+                    seen_tmp += 1
+
+    async def main() -> None:
+        async with make_receiver(config) as receiver, make_sender(config) as sender:
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                for i, data in enumerate(chunks):
+                    await sender.send_chunk(1, i, data)
+                    item = await anext(receiver)
+                    assert isinstance(item, ReceivedChunk)
+                    assert bytes(item.data) == data
+                    item.release()
+            finally:
+                stop.set()
+                watcher.join()
+
+    run(main())
+    assert seen_public, "the watcher never saw a chunk file"
+    assert set(seen_public) == {size}
+    print(f"watcher saw {len(seen_public)} public and {seen_tmp} temporary file listings")
+
+
+def test_stale_files_are_cleaned_on_start(config: ShmLinkConfig) -> None:
+    directory = config.directory
+    directory.mkdir()
+    dead = dead_pid()
+    stale = [
+        "v4-c0.123-0.bin",  # a chunk file from before this receiver: its notice is gone
+        f".v4-c1.{dead}-1.0badf00d.tmp",  # a dead writer's unfinished file
+    ]
+    kept = [
+        f".v4-c2.{os.getpid()}-2.0badf00d.tmp",  # a live writer may be writing this one
+        "README",  # not ours to judge
+    ]
+    for name in stale + kept:
+        (directory / name).write_bytes(b"x")
+
+    # A sender cleans only dead writers' temporary files: chunk files may still be notified.
+    assert remove_stale(directory, chunk_files=False) == [stale[1]]
+    (directory / stale[1]).write_bytes(b"x")
+
+    async def main() -> None:
+        receiver = ShmReceiver(config)
+        await receiver.start()
+        assert sorted(p.name for p in directory.iterdir()) == sorted([*kept, "notify.sock"])
+        await receiver.close()
+
+    run(main())
+
+
+# -- bad notices and faults -----------------------------------------------------------------
+
+
+def test_bad_notices_are_logged_and_skipped(config: ShmLinkConfig, caplog) -> None:
+    directory = config.directory
+
+    async def main() -> None:
+        async with make_receiver(config) as receiver:
+            push = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+            push.connect(endpoint_of(config))
+            good = b"good chunk"
+            (directory / "v1-c0.1-0.bin").write_bytes(good)
+            (directory / "v1-c1.1-1.bin").write_bytes(b"tampered!!")
+            (directory / "v1-c2.1-2.bin").write_bytes(b"short")
+            (directory / ".v1-c3.1-3.0badf00d.tmp").write_bytes(b"half")
+            checksum = xxhash.xxh3_64_intdigest(good)
+
+            def notice(v: int, c: int, size: int, name: str) -> list[bytes]:
+                return [KIND_CHUNK, NOTICE.pack(v, c, size, checksum), name.encode()]
+
+            for frames in (
+                [b"\x09", b"what"],  # an unknown kind
+                notice(1, 3, 4, ".v1-c3.1-3.0badf00d.tmp"),  # a temporary (partial) file
+                notice(1, 0, 10, "../../etc/passwd"),  # not a chunk file name
+                notice(1, 9, 10, "v1-c0.1-0.bin"),  # a file of another chunk
+                notice(1, 1, 10, "v1-c1.1-1.bin"),  # checksum mismatch
+                notice(1, 2, 10, "v1-c2.1-2.bin"),  # size mismatch
+                notice(1, 4, 10, "v1-c4.1-4.bin"),  # no such file
+                notice(1, 0, 10, "v1-c0.1-0.bin"),  # the good one
+            ):
+                await push.send_multipart(frames)
+            item = await anext(receiver)
+            assert isinstance(item, ReceivedChunk)
+            assert (item.version, item.chunk_id, bytes(item.data)) == (1, 0, good)
+            item.release()
+            push.close(linger=0)
+
+    run(main())
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "dropped a bad notice (2 frames" in logged
+    assert "names '.v1-c3.1-3.0badf00d.tmp', not its chunk file" in logged
+    assert "names '../../etc/passwd'" in logged
+    assert "does not match its notice's xxh3-64" in logged
+    assert "holds 5 bytes, its notice says 10" in logged
+    assert "is gone" in logged
+    # refused files are removed; the temporary file named by a notice is not touched
+    assert sorted(p.name for p in directory.iterdir()) == [".v1-c3.1-3.0badf00d.tmp", "notify.sock"]
+
+
+def test_a_receiver_that_does_not_release_stops_the_sender_with_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    config = ShmLinkConfig(name="bp", root=tmp_path, max_pending_chunks=2, pending_timeout_s=0.3)
+
+    async def main() -> None:
+        async with make_receiver(config) as receiver, make_sender(config) as sender:
+            await sender.send_chunk(1, 0, b"a")
+            await sender.send_chunk(1, 1, b"b")
+            with pytest.raises(LinkError, match=r"has not released 2 chunk files in 0\.3 s"):
+                await sender.send_chunk(1, 2, b"c")
+            item = await anext(receiver)  # consuming makes room again
+            assert isinstance(item, ReceivedChunk)
+            item.release()
+            await sender.send_chunk(1, 2, b"c")
+
+    run(main())
+
+
+def test_no_receiver_is_a_clear_error(tmp_path: Path) -> None:
+    config = ShmLinkConfig(name="none", root=tmp_path, connect_timeout_s=0.2)
+
+    async def main() -> None:
+        sender = ShmSender(config)
+        with pytest.raises(LinkError, match=r"no receiver on ipc://.* within 0.2 s"):
+            await sender.send_chunk(1, 0, b"x")
+        await sender.close()
+        assert chunk_files(config) == []  # nothing is written without a receiver
+        with pytest.raises(LinkError, match="closed"):
+            await sender.send_chunk(1, 0, b"x")
+
+    run(main())
+
+
+def test_close_removes_files_of_notices_not_yet_read(config: ShmLinkConfig) -> None:
+    async def main() -> None:
+        receiver = ShmReceiver(config)
+        await receiver.start()
+        async with make_sender(config) as sender:
+            for i in range(3):
+                await sender.send_chunk(1, i, b"never read")
+            assert len(chunk_files(config)) == 3
+            await asyncio.sleep(0.05)  # let the notices reach the receiver's socket
+            await receiver.close()
+            assert chunk_files(config) == []
+            with pytest.raises(StopAsyncIteration):
+                await anext(receiver)
+
+    run(main())
+
+
+def test_closing_ends_a_waiting_iteration(config: ShmLinkConfig) -> None:
+    async def main() -> None:
+        receiver = ShmReceiver(config)
+        await receiver.start()
+
+        async def drain() -> list[object]:
+            return [item async for item in receiver]
+
+        reading = asyncio.create_task(drain())
+        await asyncio.sleep(0.05)
+        await receiver.close()
+        assert await reading == []
+
+    run(main())
+
+
+def test_the_notice_socket_path_must_fit(tmp_path: Path) -> None:
+    deep = ShmLinkConfig(name="x" * 120, root=tmp_path)
+    with pytest.raises(ValueError, match="over 107 bytes"):
+        endpoint_of(deep)
+    assert endpoint_of(ShmLinkConfig(name="x" * 120, endpoint="ipc:///tmp/s")) == "ipc:///tmp/s"
