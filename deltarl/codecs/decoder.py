@@ -171,16 +171,16 @@ def apply_chunk(
 
     Both are flat uint8 buffers laid out by ``layout``; reference may be target (in place).
     """
-    needs_ref = any(r.val_coding != VAL_RAW for r in chunk.records)
-    if needs_ref and reference is None:
-        raise FrameError("the chunk is reference-coded and no reference was given")
+    if reference is None:
+        if any(r.val_coding != VAL_RAW for r in chunk.records):
+            raise FrameError("the chunk is reference-coded and no reference was given")
+        reference = target  # never read: every record carries raw values
     for batch in chunk.sparse:
         bits = np.dtype(f"<u{batch.itemsize}")
         offsets = np.array([layout.tensors[t].offset for t in batch.tensor_ids], np.int64)
         is_float = np.array(
             [dtype_of(layout.tensors[t].dtype).kind == "float" for t in batch.tensor_ids]
         )
-        assert reference is not None
         # one scatter per (value coding, float or int): the kernel is specialised on both
         for coding in np.unique(batch.codings):
             for flag in (True, False):
@@ -202,7 +202,7 @@ def apply_chunk(
         spec = layout.tensors[h.tensor_id]
         is_float = dtype_of(spec.dtype).kind == "float"
         where = slice(h.start, h.start + h.length)
-        old = None if h.val_coding == VAL_RAW else layout.view(reference, h.tensor_id)[where]  # type: ignore[arg-type]
+        old = None if h.val_coding == VAL_RAW else layout.view(reference, h.tensor_id)[where]
         layout.view(target, h.tensor_id)[where] = decode_values(coded, old, h.val_coding, is_float)
 
 
