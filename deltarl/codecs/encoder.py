@@ -346,6 +346,7 @@ class DeltaEncoder:
         val_cap = out_off * 2 * itemsize
         counts, pos_k, val_k, pos_len, val_len = (np.zeros(n_items, np.int64) for _ in range(5))
         bits = np.dtype(f"<u{itemsize}")
+        # every tensor of one call has the same kind (_encode_wave groups by width and kind)
         is_float = dtype_of(self.layout.tensors[tids[0]].dtype).kind == "float"
         kernels.encode_sparse(
             ref.view(bits), cur.view(bits), ref.view(np.uint64), cur.view(np.uint64),
