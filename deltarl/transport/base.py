@@ -6,7 +6,7 @@ backend, chosen by ``config.type``:
 
     "shm"     shm_link.py   same host: a file per chunk in shared memory, ZeroMQ notices
     "stream"  stream.py     across regions: parallel TCP connections, acks, resume
-    "ucx"     (later)       inside a region: RDMA through UCX
+    "ucx"     ucx_link.py   inside a region: RDMA through UCX (the ``ucx`` extra)
 
 What every backend promises (the receiver's side of DESIGN.md contract 3, "replay-safe"):
 - chunks and manifests arrive in any order, byte-exact; the receiver checks nothing about
@@ -26,7 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Self
+from typing import TYPE_CHECKING, Literal, Self, Union
+
+if TYPE_CHECKING:
+    from deltarl.transport.ucx_link import UcxLinkConfig
 
 SHM_ROOT = Path("/dev/shm")  # noqa: S108 - tmpfs shared memory, not a temp file
 MAX_VERSION = (1 << 63) - 1  # versions are i64 in the chunk frame (codecs/frame.py)
@@ -176,7 +179,8 @@ class StreamLinkConfig:
         )
 
 
-LinkConfig = ShmLinkConfig | StreamLinkConfig
+# UcxLinkConfig lives in ucx_link.py, which imports this module: hence the forward reference.
+LinkConfig = Union[ShmLinkConfig, StreamLinkConfig, "UcxLinkConfig"]
 
 
 # -- the interface ----------------------------------------------------------------------------
@@ -321,7 +325,11 @@ def make_sender(config: LinkConfig) -> ChunkSender:
         from deltarl.transport.stream import StreamSender  # noqa: PLC0415
 
         return StreamSender(config)
-    raise ValueError(f"unknown link type {config.type!r}; expected 'shm' or 'stream'")
+    if config.type == "ucx":
+        from deltarl.transport.ucx_link import UcxSender  # noqa: PLC0415
+
+        return UcxSender(config)
+    raise ValueError(f"unknown link type {config.type!r}; expected 'shm', 'stream' or 'ucx'")
 
 
 def make_receiver(config: LinkConfig) -> ChunkReceiver:
@@ -334,4 +342,8 @@ def make_receiver(config: LinkConfig) -> ChunkReceiver:
         from deltarl.transport.stream import StreamReceiver  # noqa: PLC0415
 
         return StreamReceiver(config)
-    raise ValueError(f"unknown link type {config.type!r}; expected 'shm' or 'stream'")
+    if config.type == "ucx":
+        from deltarl.transport.ucx_link import UcxReceiver  # noqa: PLC0415
+
+        return UcxReceiver(config)
+    raise ValueError(f"unknown link type {config.type!r}; expected 'shm', 'stream' or 'ucx'")

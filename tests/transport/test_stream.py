@@ -564,11 +564,11 @@ def test_configs_refuse_bad_values_and_the_factory_switches_on_type(tmp_path) ->
     assert isinstance(make_receiver(shm), ShmReceiver)
     assert isinstance(make_sender(StreamLinkConfig(port=1)), StreamSender)
     assert isinstance(make_receiver(StreamLinkConfig()), StreamReceiver)
-    ucx = types.SimpleNamespace(type="ucx")
-    with pytest.raises(ValueError, match="unknown link type 'ucx'"):
-        make_sender(ucx)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="unknown link type 'ucx'"):
-        make_receiver(ucx)  # type: ignore[arg-type]
+    rdma = types.SimpleNamespace(type="rdma")
+    with pytest.raises(ValueError, match="unknown link type 'rdma'"):
+        make_sender(rdma)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown link type 'rdma'"):
+        make_receiver(rdma)  # type: ignore[arg-type]
 
 
 def test_send_refuses_ids_outside_the_frame_fields() -> None:
