@@ -68,6 +68,19 @@ def rice_escape(width: int) -> int:
     return width
 
 
+@njit(inline="always")
+def _interleaved(t, n):
+    """Visit items in the order 0, 2, 4, ..., 1, 3, 5, ...
+
+    numba splits a prange into one contiguous block per thread; neighbouring items (ranges
+    of one tensor, or of similar tensors) cost about the same, so dealing them out
+    alternately balances the threads where contiguous blocks would not (the embedding and
+    the LM head change at very different rates).
+    """
+    half = (n + 1) // 2
+    return 2 * t if t < half else 2 * (t - half) + 1
+
+
 # -- value coding (the compiled twin of values.py, one element at a time) --------------------
 
 
@@ -373,7 +386,9 @@ def encode_sparse(  # numba kernels are typed by their arguments
     magnitude = mask >> _U1
     escape = width
     code = (coding, sign_shift, magnitude, mask, is_float)
-    for i in prange(starts.shape[0]):
+    n_items = starts.shape[0]
+    for t in prange(n_items):
+        i = _interleaved(t, n_items)
         s = starts[i]
         n = lengths[i]
         o = out_off[i]
@@ -437,7 +452,9 @@ def decode_sparse(
     caller checks that the regions lie inside the arrays.
     """
     mask = _ALL >> np.uint64(64 - width)
-    for i in prange(counts.shape[0]):
+    n_items = counts.shape[0]
+    for t in prange(n_items):
+        i = _interleaved(t, n_items)
         n = counts[i]
         o = out_off[i]
         err = OK
@@ -492,7 +509,9 @@ def scatter_sparse(target, reference, bases, counts, out_off, positions, zval, c
     sign_shift = np.uint64(width - 1)
     mask = _ALL >> np.uint64(64 - width)
     magnitude = mask >> _U1
-    for i in prange(counts.shape[0]):
+    n_items = counts.shape[0]
+    for t in prange(n_items):
+        i = _interleaved(t, n_items)
         b = bases[i]
         o = out_off[i]
         for j in range(counts[i]):
