@@ -10,6 +10,11 @@ import argparse
 import sys
 
 BENCHES = ("codec",)
+DAEMONS = {
+    "trainer": "run the trainer daemon (--synthetic: a simulated policy)",
+    "export": "run the export agent: diff, encode and send each published version",
+    "apply": "run the apply agent: receive, verify and activate versions",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run a benchmark", add_help=False)
     bench.add_argument("name", choices=BENCHES)
     sub.add_parser("ctl", help="send a control command to a running daemon", add_help=False)
+    for name, what in DAEMONS.items():
+        sub.add_parser(name, help=what, add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.command == "bench" and args.name == "codec":
         from deltarl.bench import codec  # noqa: PLC0415 - heavy imports only when used
@@ -30,6 +37,18 @@ def main(argv: list[str] | None = None) -> int:
         from deltarl import ctl  # noqa: PLC0415 - heavy imports only when used
 
         return ctl.main(rest)
+    if args.command == "trainer":
+        from deltarl.daemons import trainer_synthetic  # noqa: PLC0415 - heavy imports
+
+        return trainer_synthetic.main(rest)
+    if args.command == "export":
+        from deltarl.daemons import export  # noqa: PLC0415 - heavy imports only when used
+
+        return export.main(rest)
+    if args.command == "apply":
+        from deltarl.daemons import apply  # noqa: PLC0415 - heavy imports only when used
+
+        return apply.main(rest)
     ap.error(f"unknown command {args.command}")
     return 2
 
