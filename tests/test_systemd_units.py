@@ -186,6 +186,18 @@ def test_config_example_names_each_unit_daemon_and_its_stores() -> None:
     assert export["full_resync_every"] > 0
 
 
+def test_config_example_loads_for_every_daemon() -> None:
+    # The example is what operators copy: every table must be a config the daemon accepts.
+    from deltarl.daemons import config as daemon_config  # noqa: PLC0415
+
+    path = str(SYSTEMD / "deltarl.toml.example")
+    daemon_config.load(daemon_config.TrainerConfig, "trainer", path)
+    export = daemon_config.load(daemon_config.ExportConfig, "export", path)
+    apply = daemon_config.load(daemon_config.ApplyConfig, "apply", path)
+    assert export.apply_control == apply.control
+    assert export.link.type == apply.link.type
+
+
 def test_env_example_is_plain_key_value_lines() -> None:
     # systemd's EnvironmentFile= syntax: KEY=value, no `export`, comments start with '#'.
     assignment = re.compile(r"#?[A-Z_][A-Z0-9_]*=\S+")
