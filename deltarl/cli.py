@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = ("codec",)
+BENCHES = ("codec", "refit")
 DAEMONS = {
     "trainer": "run the trainer daemon (--synthetic: a simulated policy)",
     "export": "run the export agent: diff, encode and send each published version",
@@ -17,7 +17,7 @@ DAEMONS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(
         prog="deltarl", description="asynchronous RL with weight-delta refit"
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from deltarl.bench import codec  # noqa: PLC0415 - heavy imports only when used
 
         return codec.main(rest)
+    if args.command == "bench" and args.name == "refit":
+        from deltarl.bench import refit  # noqa: PLC0415 - heavy imports only when used
+
+        return refit.main(rest)
     if args.command == "ctl":
         from deltarl import ctl  # noqa: PLC0415 - heavy imports only when used
 

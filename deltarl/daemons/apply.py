@@ -66,6 +66,10 @@ class _Job:
     apply: VersionApply
     started: float
     manifest: RefitManifest | None = None
+    apply_s: float = 0.0
+    """Seconds spent applying this version's chunks (bench refit reads it from status)."""
+    open_s: float = 0.0
+    """Seconds spent opening the write (and copying the active buffer for a delta)."""
 
 
 class ApplyAgent:
@@ -105,11 +109,13 @@ class ApplyAgent:
             job = await self._job_for(header.target, base)
             if job is None:
                 return
+            t = time.monotonic()
             try:
                 await asyncio.to_thread(job.apply.apply, chunk.data)
             except (FrameError, ValueError) as e:
                 await self._fail(job.version, f"chunk {header.chunk_id}: {e}")
                 return
+            job.apply_s += time.monotonic() - t
         finally:
             chunk.release()  # applied (or refused): the transport may free it now
         await self._maybe_finish()
@@ -148,6 +154,7 @@ class ApplyAgent:
             self.refused += 1
             await self._fail(version, f"delta on {base} refused: the active version is {active}")
             return None
+        opened = time.monotonic()
         try:
             txn = await asyncio.to_thread(self.store.begin_write, 10.0)
         except LeaseTimeout as e:
@@ -161,6 +168,7 @@ class ApplyAgent:
         reference = txn.active if base is not None else None
         apply = VersionApply(txn.layout, txn.buffer, reference, base=base, version=version)
         self.job = _Job(version, base, txn, apply, time.monotonic())
+        self.job.open_s = self.job.started - opened  # begin_write (+ copy_from_active)
         return self.job
 
     async def _maybe_finish(self) -> None:
@@ -169,20 +177,27 @@ class ApplyAgent:
             return
         if not {c.id for c in job.manifest.chunks} <= set(job.apply.applied):
             return  # chunks still to come
+        t_verify = time.monotonic()
         try:
             await asyncio.to_thread(job.apply.verify, job.manifest)
         except (FrameError, ChecksumMismatchError) as e:
             await self._fail(job.version, str(e))
             return
+        t_commit = time.monotonic()
         # A full version is authoritative: it may replace a newer one (after a rollback).
         job.txn.commit(job.version, allow_older=job.base is None)
+        t_done = time.monotonic()
         self.job = None
         self._finish(job.version, "applied")
         if job.base is None:
             self.needs_full = False
         seconds = time.monotonic() - job.started
         self.applied += 1
-        self.last_applied = {"version": job.version, "base": job.base, "seconds": seconds}
+        self.last_applied = {"version": job.version, "base": job.base, "seconds": seconds,
+                             "started_at": job.started, "committed_at": t_done,
+                             "apply_s": job.apply_s, "open_s": job.open_s,
+                             "verify_s": t_commit - t_verify,
+                             "commit_s": t_done - t_commit}  # fmt: skip
         logger.info("version %d active (base %s, %.3f s)", job.version, job.base, seconds)
         await self.shell.publish(VersionApplied(job.version, job.base, seconds))
 

@@ -80,6 +80,7 @@ class ExportAgent:
         self.sent = 0
         self.failed = 0
         self.last: dict[str, Any] | None = None
+        self.taken_at = 0.0
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class ExportAgent:
                     self.state = "waiting for the apply agent"
                     await asyncio.sleep(cfg.poll_s)
                     continue
+                self.taken_at = time.monotonic()  # before the copy-out (bench refit reads it)
                 with self.store.lease() as snap:
                     version, current = snap.version, snap.buffer.copy()
                 self.taken = version
@@ -168,15 +170,27 @@ class ExportAgent:
         chunks = iter(encoding)
         nbytes = 0
         recorded = False
+        # Time in the encoder and in the sender (bench refit reads them from ``last``).
+        encode_s, send_s = time.monotonic() - t0, 0.0
         try:
             # Send while still encoding: each chunk leaves as soon as it exists.
-            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            while True:
+                t = time.monotonic()
+                chunk = await asyncio.to_thread(next, chunks, None)
+                encode_s += time.monotonic() - t
+                if chunk is None:
+                    break
+                t = time.monotonic()
                 await sender.send_chunk(version, chunk.chunk_id, chunk.data)
+                send_s += time.monotonic() - t
                 nbytes += len(chunk.data)
             manifest = encoding.manifest
             assert manifest is not None  # set once the chunks are exhausted
             recorded = self._record(manifest)
+            t = time.monotonic()
             await sender.send_manifest(version, manifest.to_json())
+            sent_at = time.monotonic()
+            send_s += sent_at - t
         except LinkError as e:
             self._failed(version, f"link: {e}", recorded=recorded)
             await self.shell.publish(RefitFailed(version, f"link: {e}"))
@@ -190,7 +204,9 @@ class ExportAgent:
         seconds = time.monotonic() - t0
         self.last = {"version": version, "base": base, "kind": "delta" if base is not None
                      else "full", "wire_bytes": nbytes, "seconds": round(seconds, 4),
-                     "outcome": outcome or "active"}  # fmt: skip
+                     "outcome": outcome or "active", "taken_at": self.taken_at, "started_at": t0,
+                     "copy_s": round(t0 - self.taken_at, 6), "sent_at": sent_at,
+                     "encode_s": round(encode_s, 6), "send_s": round(send_s, 6)}  # fmt: skip
         if outcome is None:
             if recorded:
                 self._mark(version, State.VERIFIED)

@@ -1,0 +1,144 @@
+"""A rate-shaped link between two Linux network namespaces, for `deltarl bench refit`.
+
+Two namespaces, ``<PREFIX>-<pid>-a`` (the sender) and ``<PREFIX>-<pid>-b`` (the receiver),
+joined by a veth pair with addresses 10.231.X.1/30 and 10.231.X.2/30 (X from the pid), each
+end with a ``tbf`` qdisc at the asked rate (the ack direction too). Needs root (CAP_NET_ADMIN
+and CAP_SYS_ADMIN); ``netem`` is not used. Only addresses inside these namespaces are used.
+
+``ShapedLink`` is a context manager; it also registers an atexit hook, and ``clean_stale``
+removes namespaces with the prefix whose creating process is gone (a crashed earlier run).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import subprocess
+
+PREFIX = "drlbench"
+IP = shutil.which("ip") or "/usr/sbin/ip"
+TC = shutil.which("tc") or "/usr/sbin/tc"
+
+
+class NetnsError(RuntimeError):
+    """The namespaces could not be made (no privilege, no ``ip``/``tc``, ...)."""
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)  # noqa: S603
+    if proc.returncode != 0:
+        raise NetnsError(f"{' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def namespaces() -> list[str]:
+    """Names of the network namespaces with our prefix."""
+    try:
+        out = _run(IP, "netns", "list")
+    except (NetnsError, FileNotFoundError):
+        return []
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(PREFIX + "-")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale() -> list[str]:
+    """Delete our namespaces whose creating process no longer runs; the names deleted."""
+    gone = []
+    for name in namespaces():
+        parts = name.split("-")
+        if len(parts) == 3 and parts[1].isdigit() and _alive(int(parts[1])):
+            continue  # another run's, still in use
+        with contextlib.suppress(NetnsError):
+            _run(IP, "netns", "delete", name)
+            gone.append(name)
+    return gone
+
+
+def check_privilege() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "--rate-mbit needs root (CAP_NET_ADMIN) to create network namespaces"
+    if not (os.path.exists(IP) and os.path.exists(TC)):
+        return f"--rate-mbit needs iproute2 ({IP}, {TC})"
+    return None
+
+
+class ShapedLink:
+    """Two namespaces and a veth pair shaped by tbf to ``rate_mbit`` in each direction."""
+
+    def __init__(self, rate_mbit: float) -> None:
+        if rate_mbit <= 0:
+            raise ValueError(f"rate must be positive, got {rate_mbit}")
+        pid = os.getpid()
+        self.rate_mbit = rate_mbit
+        self.ns_a, self.ns_b = f"{PREFIX}-{pid}-a", f"{PREFIX}-{pid}-b"
+        self.dev_a, self.dev_b = f"drl{pid % 100000}a", f"drl{pid % 100000}b"
+        x = pid % 256
+        self.addr_a, self.addr_b = f"10.231.{x}.1", f"10.231.{x}.2"
+        self._up = False
+
+    def exec_prefix(self, side: str) -> list[str]:
+        """The command prefix that runs a process in namespace ``a`` or ``b``."""
+        return [IP, "netns", "exec", self.ns_a if side == "a" else self.ns_b]
+
+    def up(self) -> ShapedLink:
+        why = check_privilege()
+        if why is not None:
+            raise NetnsError(why)
+        clean_stale()
+        atexit.register(self.down)
+        self._up = True
+        try:
+            _run(IP, "netns", "add", self.ns_a)
+            _run(IP, "netns", "add", self.ns_b)
+            _run(IP, "link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
+            _run(IP, "link", "set", self.dev_a, "netns", self.ns_a)
+            _run(IP, "link", "set", self.dev_b, "netns", self.ns_b)
+            # burst: 10 ms at the rate, at least 32 KiB (tbf needs burst >= rate / HZ)
+            burst = max(32 << 10, int(self.rate_mbit * 1e6 / 8 / 100))
+            for ns, dev, addr in (
+                (self.ns_a, self.dev_a, self.addr_a),
+                (self.ns_b, self.dev_b, self.addr_b),
+            ):
+                _run(IP, "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+                _run(IP, "-n", ns, "link", "set", dev, "up")
+                _run(IP, "-n", ns, "link", "set", "lo", "up")
+                _run(IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", dev, "root", "tbf",
+                     "rate", f"{self.rate_mbit}mbit", "burst", str(burst),
+                     "latency", "50ms")  # fmt: skip
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """Delete both namespaces (the veth pair goes with them); safe to call twice."""
+        if not self._up:
+            return
+        self._up = False
+        for ns in (self.ns_a, self.ns_b):
+            with contextlib.suppress(NetnsError, FileNotFoundError):
+                _run(IP, "netns", "delete", ns)
+        if self.dev_a in _run(IP, "-o", "link", "show"):  # left in the root namespace
+            with contextlib.suppress(NetnsError):
+                _run(IP, "link", "delete", self.dev_a)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.down)
+
+    def __enter__(self) -> ShapedLink:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()

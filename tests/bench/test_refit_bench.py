@@ -1,0 +1,127 @@
+"""The `deltarl bench refit --json` contract: one JSON object with exactly these keys and types,
+every refit bit-exact; with ``--rate-mbit`` the network namespaces are gone afterwards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import orjson
+import pytest
+from deltarl.bench import netns
+
+TOP_KEYS = {"link", "rate_mbit", "params", "full", "refits", "delta_total_s_median", "speedup"}
+REFIT_KEYS = {
+    "version": int,
+    "kind": str,
+    "changed_ratio": float,
+    "wire_bytes": int,
+    "encode_s": float,
+    "transfer_s": float,
+    "apply_s": float,
+    "activate_s": float,
+    "total_s": float,
+    "bit_exact": bool,
+}
+
+
+def _bench(*args: str) -> tuple[dict[str, Any], int]:
+    """The bench's JSON object, and the pid of the process that ran it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltarl.cli", "bench", "refit", "--params", "200000",
+         "--refits", "2", "--json", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, stderr[-4000:]
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 1, stdout
+    return orjson.loads(lines[0]), proc.pid
+
+
+def _check_shape(result: dict[str, Any], link: str, rate: float | None) -> None:
+    assert set(result) == TOP_KEYS
+    assert result["link"] == link
+    assert result["rate_mbit"] == rate
+    if rate is not None:
+        assert isinstance(result["rate_mbit"], float)
+    assert isinstance(result["params"], int)
+    assert result["params"] > 100_000
+    assert set(result["full"]) == {"total_s", "wire_bytes"}
+    assert isinstance(result["full"]["total_s"], float)
+    assert isinstance(result["full"]["wire_bytes"], int)
+    assert result["full"]["total_s"] > 0
+    # a full version carries every bf16 value (before link compression)
+    assert result["full"]["wire_bytes"] > result["params"]
+    assert len(result["refits"]) == 2
+    versions = [r["version"] for r in result["refits"]]
+    assert versions == sorted(versions)
+    assert len(set(versions)) == 2
+    for r in result["refits"]:
+        assert set(r) == set(REFIT_KEYS)
+        for key, kind in REFIT_KEYS.items():
+            assert isinstance(r[key], kind), (key, r[key])
+        assert r["kind"] in ("delta", "full")
+        assert r["bit_exact"] is True
+        assert 0 < r["changed_ratio"] < 1
+        assert r["total_s"] > 0
+    # realistic deltas: the delta is much smaller than the full version
+    assert all(r["wire_bytes"] < result["full"]["wire_bytes"] / 4 for r in result["refits"])
+    assert isinstance(result["delta_total_s_median"], float)
+    assert isinstance(result["speedup"], float)
+    assert result["speedup"] > 0
+
+
+def test_bench_refit_shm_json_shape_and_bit_exactness() -> None:
+    _check_shape(_bench("--link", "shm")[0], "shm", None)
+
+
+def _netns_usable() -> str | None:
+    why = netns.check_privilege()
+    if why is not None:
+        return why
+    proc = subprocess.run([netns.IP, "netns", "list"], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    return None if proc.returncode == 0 else f"ip netns fails: {proc.stderr.strip()}"
+
+
+def test_bench_refit_shaped_stream_and_namespaces_cleaned_up() -> None:
+    why = _netns_usable()
+    if why is not None:
+        pytest.skip(f"shaping needs network namespaces: {why}")
+    result, pid = _bench("--link", "stream", "--rate-mbit", "50")
+    _check_shape(result, "stream", 50.0)
+    left = netns.namespaces()
+    assert not [n for n in left if n.startswith(f"{netns.PREFIX}-{pid}-")], left
+    # namespaces of other live runs (pid in the name) may exist; none may be a dead run's
+    stale = [n for n in left if not os.path.exists(f"/proc/{n.split('-')[1]}")]
+    assert stale == [], left
+
+
+def test_rate_without_stream_is_refused() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "bench", "refit", "--link", "shm",
+         "--rate-mbit", "10"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--rate-mbit shapes the stream link only" in out.stderr
+
+
+def test_without_privilege_it_says_so_and_stops(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deltarl.bench import refit  # noqa: PLC0415
+
+    monkeypatch.setattr(refit, "check_privilege", lambda: "--rate-mbit needs root (test)")
+    assert refit.main(["--link", "stream", "--rate-mbit", "100", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "needs root" in captured.err
