@@ -6,7 +6,8 @@ first chunk can be sent while later tensors are still being diffed:
     1) hash every tensor of the wave (the manifest's xxh3-128);
     2) diff, code and Rice-write every item (tensor range) in parallel (kernels.encode_sparse);
     3) choose each tensor's position coding from its changed ratio and exact coded sizes;
-    4) pack records into chunks of at most chunk_bytes before compression, zstd the byte
+    4) pack the wave's records into chunks of at most chunk_bytes before compression (at
+       least one chunk per wave, so sending starts after the first wave), zstd the byte
        planes of dense records, checksum, yield.
 
 The reference must be exactly what the receivers hold (DESIGN.md: the last transmitted
@@ -222,7 +223,11 @@ class DeltaEncoder:
                     yield flush()
                 pending.append(record)
                 pending_bytes += record.raw_bytes
-        if pending or not entries:  # every version has at least one chunk: it names the version
+            # A chunk per wave at least: a delta is far smaller than chunk_bytes, and holding
+            # its records back until the last wave would serialise encoding and sending.
+            if pending:
+                yield flush()
+        if not entries:  # every version has at least one chunk: it names the version
             yield flush()
 
         tensors = [
