@@ -70,6 +70,7 @@ class ExportAgent:
         self.encoder: DeltaEncoder | None = None
         # The reference: what the receiver was last seen holding (see the module docstring).
         self.ref: np.ndarray | None = None
+        self._spare: np.ndarray | None = None  # receives the next version (_copy_out)
         self.ref_version: int | None = None
         self.ref_session: str | None = None
         self.deltas_in_a_row = 0
@@ -103,9 +104,22 @@ class ExportAgent:
                     continue
                 self.taken_at = time.monotonic()  # before the copy-out (bench refit reads it)
                 with self.store.lease() as snap:
-                    version, current = snap.version, snap.buffer.copy()
+                    version, current = snap.version, self._copy_out(snap.buffer)
                 self.taken = version
                 await self._ship(sender, version, current, receiver)
+                if self.ref is not current:
+                    self._spare = current  # not adopted as the reference: reuse its memory
+
+    def _copy_out(self, published: np.ndarray) -> np.ndarray:
+        """The published bytes, copied into the spare buffer (allocated once, then reused).
+
+        A fresh array per version cost more in page faults than the copy itself. Two buffers
+        suffice: the reference, and the spare that receives the next version.
+        """
+        buf = self._spare if self._spare is not None else np.empty_like(published)
+        self._spare = None
+        np.copyto(buf, published)
+        return buf
 
     async def _open_published(self) -> WeightStore:
         """The trainer's store, read-only, once it exists (the trainer may start after us)."""
@@ -211,7 +225,10 @@ class ExportAgent:
             if recorded:
                 self._mark(version, State.VERIFIED)
                 self._mark(version, State.ACTIVE)
-            self.ref, self.ref_version, self.ref_session = current, version, session
+            old, self.ref = self.ref, current
+            self.ref_version, self.ref_session = version, session
+            if old is not None:
+                self._spare = old  # the previous reference receives the next version
             self.deltas_in_a_row = 0 if base is None else self.deltas_in_a_row + 1
             logger.info("version %d active on the receiver (%d bytes, %.3f s)",
                         version, nbytes, seconds)  # fmt: skip
