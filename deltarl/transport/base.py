@@ -257,42 +257,52 @@ class ChunkReceiver(abc.ABC):
         await self.close()
 
 
+def fingerprint(data: bytes | memoryview) -> bytes:
+    """What tells two different payloads under one (version, chunk id) apart: their first 64
+    bytes. A deltarl chunk frame's header holds its base, target and xxh3-64 checksum there,
+    and a manifest begins with its version, base and kind, so a version re-sent in full after
+    a half-delivered delta is new, while a true duplicate is not."""
+    return bytes(memoryview(data)[:64])
+
+
 class DeliveredSet:
     """Which chunks and manifests of recent versions a receiver has delivered.
 
-    This is what makes receipt idempotent: ``add_*`` is True only the first time. It also
-    answers the stream sender's resume question. Only the newest ``keep_versions`` versions are
-    remembered, so memory stays bounded; a duplicate of an older version is delivered again,
-    which the apply agent ignores (it refuses chunks of a version it is not applying).
+    This is what makes receipt idempotent: ``add_*`` is True only the first time a payload
+    (by ``fingerprint``) arrives under its (version, chunk id). It also answers the stream
+    sender's resume question. Only the newest ``keep_versions`` versions are remembered, so
+    memory stays bounded; a duplicate of an older version is delivered again, which the apply
+    agent ignores (it refuses chunks of a version it is not applying).
     """
 
     def __init__(self, keep_versions: int) -> None:
         self._keep = keep_versions
-        self._chunks: dict[int, set[int]] = {}
-        self._manifests: dict[int, bool] = {}
+        self._chunks: dict[int, set[tuple[int, bytes]]] = {}
+        self._manifests: dict[int, set[bytes]] = {}
 
-    def add_chunk(self, version: int, chunk_id: int) -> bool:
+    def add_chunk(self, version: int, chunk_id: int, mark: bytes = b"") -> bool:
+        """True the first time this payload (``mark``: its fingerprint) arrives."""
         held = self._version(version)
         if held is None:
             return True
-        if chunk_id in held:
+        if (chunk_id, mark) in held:
             return False
-        held.add(chunk_id)
+        held.add((chunk_id, mark))
         return True
 
-    def add_manifest(self, version: int) -> bool:
+    def add_manifest(self, version: int, mark: bytes = b"") -> bool:
         if self._version(version) is None:
             return True
-        if self._manifests[version]:
+        if mark in self._manifests[version]:
             return False
-        self._manifests[version] = True
+        self._manifests[version].add(mark)
         return True
 
     def chunks(self, version: int) -> list[int]:
         """The chunk ids of ``version`` delivered so far, ascending."""
-        return sorted(self._chunks.get(version, ()))
+        return sorted({cid for cid, _ in self._chunks.get(version, ())})
 
-    def _version(self, version: int) -> set[int] | None:
+    def _version(self, version: int) -> set[tuple[int, bytes]] | None:
         """The set for ``version``, made if needed; None for one too old to remember."""
         held = self._chunks.get(version)
         if held is not None:
@@ -302,7 +312,7 @@ class DeliveredSet:
             if version < oldest:
                 return None
             del self._chunks[oldest], self._manifests[oldest]
-        self._manifests[version] = False
+        self._manifests[version] = set()
         return self._chunks.setdefault(version, set())
 
 

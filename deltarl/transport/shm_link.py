@@ -58,6 +58,7 @@ from deltarl.transport.base import (
     ReceivedManifest,
     ShmLinkConfig,
     check_ids,
+    fingerprint,
 )
 
 logger = logging.getLogger(__name__)
@@ -319,7 +320,7 @@ class ShmReceiver(ChunkReceiver):
             if len(frames[2]) > self.config.max_manifest_bytes:
                 logger.error("shm link: refused a %d-byte manifest", len(frames[2]))
                 return None
-            if not self._delivered.add_manifest(version):
+            if not self._delivered.add_manifest(version, fingerprint(frames[2])):
                 return None
             return ReceivedManifest(version, frames[2])
         if kind == KIND_CHUNK and len(frames) == 3 and len(frames[1]) == NOTICE.size:
@@ -357,7 +358,7 @@ class ShmReceiver(ChunkReceiver):
             path.unlink(missing_ok=True)
             return None
         chunk = ReceivedChunk(version, chunk_id, view, lambda: self._free(name, path, mm, view))
-        if self._closed or not self._delivered.add_chunk(version, chunk_id):
+        if self._closed or not self._delivered.add_chunk(version, chunk_id, fingerprint(view)):
             chunk.release()  # closed while mapping, or a duplicate: delivered once already
             return None
         self._held[name] = chunk

@@ -29,6 +29,7 @@ from deltarl.transport.base import (
     ReceivedChunk,
     ReceivedManifest,
     StreamLinkConfig,
+    fingerprint,
 )
 from deltarl.transport.stream_wire import (
     MSG_ACK,
@@ -159,13 +160,13 @@ class StreamReceiver(ChunkReceiver):
         if header.kind == MSG_CHUNK:
             # Marked before the (possibly waiting) put, so that a copy arriving meanwhile on
             # another connection is acknowledged without being queued a second time.
-            if self._delivered.add_chunk(version, chunk_id):
+            if self._delivered.add_chunk(version, chunk_id, fingerprint(payload)):
                 await self._deliver(ReceivedChunk(version, chunk_id, payload))
             else:
                 self.stats.duplicates += 1
             reply = pack_header(MSG_ACK, version, chunk_id)
         elif header.kind == MSG_MANIFEST:
-            if self._delivered.add_manifest(version):
+            if self._delivered.add_manifest(version, fingerprint(payload)):
                 await self._deliver(ReceivedManifest(version, payload))
             else:
                 self.stats.duplicates += 1

@@ -54,6 +54,7 @@ from deltarl.transport.base import (
     ReceivedManifest,
     _positive,
     check_ids,
+    fingerprint,
 )
 from deltarl.transport.stream_wire import WireError
 
@@ -488,10 +489,10 @@ class UcxReceiver(ChunkReceiver):
         # Marked before the (possibly waiting) put, so that a resent copy arriving meanwhile
         # on a new connection is acknowledged without being queued a second time.
         if kind == CHUNK:
-            first = self._delivered.add_chunk(version, chunk_id)
+            first = self._delivered.add_chunk(version, chunk_id, fingerprint(payload))
             item: Received = ReceivedChunk(version, chunk_id, memoryview(payload))
         else:
-            first = self._delivered.add_manifest(version)
+            first = self._delivered.add_manifest(version, fingerprint(payload))
             item = ReceivedManifest(version, bytes(payload))
         if not first:
             self.stats.duplicates += 1
