@@ -22,6 +22,7 @@ applied, so the transport can free its memory.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,6 +256,45 @@ class ChunkReceiver(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+class DeliveryQueue:
+    """The bounded queue between a receiver's connection handlers and its consumer.
+
+    Bounded, so a consumer that falls behind holds the senders back (their acks wait). ``end``
+    drops what the consumer has not taken (it is closing the receiver) and leaves an end marker
+    that every later ``next`` sees.
+    """
+
+    _END = object()
+
+    def __init__(self, size: int) -> None:
+        self._queue: asyncio.Queue[Received | object] = asyncio.Queue(size)
+
+    async def put(self, item: Received) -> None:
+        await self._queue.put(item)
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    async def next(self) -> Received:
+        """The next item; StopAsyncIteration once ``end`` was called."""
+        item = await self._queue.get()
+        if item is self._END:
+            self._queue.put_nowait(self._END)  # for any other iterator
+            raise StopAsyncIteration
+        if not isinstance(item, ReceivedChunk | ReceivedManifest):
+            raise TypeError(f"unexpected queue item {item!r}")
+        return item
+
+    def drop_pending(self) -> None:
+        """Drop every queued item (so a handler waiting to queue one can finish)."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    def end(self) -> None:
+        self.drop_pending()
+        self._queue.put_nowait(self._END)
 
 
 def fingerprint(data: bytes | memoryview) -> bytes:

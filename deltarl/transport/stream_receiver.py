@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from deltarl.transport.base import (
     ChunkReceiver,
     DeliveredSet,
+    DeliveryQueue,
     Received,
     ReceivedChunk,
     ReceivedManifest,
@@ -49,7 +50,6 @@ from deltarl.transport.stream_wire import (
 logger = logging.getLogger(__name__)
 
 _THREAD_BYTES = 1 << 20  # decompress larger payloads off the event loop
-_CLOSED = object()  # the queue's end marker
 _CLOSE_GRACE_S = 1.0
 
 
@@ -69,7 +69,7 @@ class StreamReceiver(ChunkReceiver):
     def __init__(self, config: StreamLinkConfig) -> None:
         self.config = config
         self._delivered = DeliveredSet(config.keep_versions)
-        self._queue: asyncio.Queue[Received | object] = asyncio.Queue(config.queue_size)
+        self._queue = DeliveryQueue(config.queue_size)
         self._server: asyncio.Server | None = None
         self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._closed = False
@@ -92,13 +92,7 @@ class StreamReceiver(ChunkReceiver):
 
     async def __anext__(self) -> Received:
         await self.start()
-        item = await self._queue.get()
-        if item is _CLOSED:
-            self._queue.put_nowait(_CLOSED)  # for any other iterator
-            raise StopAsyncIteration
-        if not isinstance(item, ReceivedChunk | ReceivedManifest):
-            raise TypeError(f"unexpected queue item {item!r}")
-        return item
+        return await self._queue.next()
 
     async def close(self) -> None:
         if self._closed:
@@ -109,10 +103,7 @@ class StreamReceiver(ChunkReceiver):
         await self._end_handlers()
         if self._server is not None:
             await self._server.wait_closed()
-        # Items the consumer has not taken are dropped: it is closing the receiver.
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(_CLOSED)
+        self._queue.end()  # items the consumer has not taken are dropped: it is closing
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -184,8 +175,7 @@ class StreamReceiver(ChunkReceiver):
             writer.transport.abort()
         deadline = asyncio.get_running_loop().time() + _CLOSE_GRACE_S
         while self._handlers and asyncio.get_running_loop().time() < deadline:
-            while not self._queue.empty():  # a handler may wait to queue an item
-                self._queue.get_nowait()
+            self._queue.drop_pending()  # a handler may wait to queue an item
             await asyncio.wait(list(self._handlers), timeout=0.01)
         for task in list(self._handlers):  # stuck (a long decompression): cancel, as a last resort
             task.cancel()

@@ -48,6 +48,7 @@ from deltarl.transport.base import (
     ChunkReceiver,
     ChunkSender,
     DeliveredSet,
+    DeliveryQueue,
     LinkError,
     Received,
     ReceivedChunk,
@@ -71,7 +72,6 @@ _HEADER = struct.Struct("<4sBBHqIQ4s")
 CHUNK, MANIFEST, CHUNK_ACK, MANIFEST_ACK = 1, 2, 3, 4
 TO_RECEIVER = {CHUNK: "chunk", MANIFEST: "manifest"}
 TO_SENDER = {CHUNK_ACK: "chunk ack", MANIFEST_ACK: "manifest ack"}
-_CLOSED = object()  # the receiver queue's end marker
 _CLOSE_GRACE_S = 1.0
 
 Key = tuple[int, int, int]  # (kind, version, chunk id): what an ack names
@@ -388,7 +388,7 @@ class UcxReceiver(ChunkReceiver):
         self._ucxx = _ucxx()
         self._faults = _link_faults()
         self._delivered = DeliveredSet(config.keep_versions)
-        self._queue: asyncio.Queue[Received | object] = asyncio.Queue(config.queue_size)
+        self._queue = DeliveryQueue(config.queue_size)
         self._listener: Listener | None = None
         self._handlers: dict[asyncio.Task[Any], Endpoint] = {}  # handler task -> its endpoint
         self._closed = False
@@ -425,13 +425,7 @@ class UcxReceiver(ChunkReceiver):
 
     async def __anext__(self) -> Received:
         await self.start()
-        item = await self._queue.get()
-        if item is _CLOSED:
-            self._queue.put_nowait(_CLOSED)  # for any other iterator
-            raise StopAsyncIteration
-        if not isinstance(item, ReceivedChunk | ReceivedManifest):
-            raise TypeError(f"unexpected queue item {item!r}")
-        return item
+        return await self._queue.next()
 
     async def close(self) -> None:
         if self._closed:
@@ -443,16 +437,12 @@ class UcxReceiver(ChunkReceiver):
             ep.abort()  # a handler waiting in recv() sees a UCX error and returns
         deadline = asyncio.get_running_loop().time() + _CLOSE_GRACE_S
         while self._handlers and asyncio.get_running_loop().time() < deadline:
-            while not self._queue.empty():  # a handler may wait to queue an item
-                self._queue.get_nowait()
+            self._queue.drop_pending()  # a handler may wait to queue an item
             await asyncio.wait(list(self._handlers), timeout=0.01)
         for task in list(self._handlers):  # stuck: cancel, as a last resort
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        # Items the consumer has not taken are dropped: it is closing the receiver.
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(_CLOSED)
+        self._queue.end()  # items the consumer has not taken are dropped: it is closing
 
     async def _serve(self, ep: Endpoint) -> None:
         """One sender's endpoint: READ header, READ payload, QUEUE (first time), ACK; repeat."""
