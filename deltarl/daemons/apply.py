@@ -24,11 +24,9 @@ Invariant: at most one job (write transaction) is open, and it is touched only u
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import secrets
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +34,7 @@ from typing import Any
 from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
 from deltarl.codecs.frame import KIND_FULL, NO_BASE, FrameError, FrameHeader
 from deltarl.codecs.manifest import ManifestError, RefitManifest
-from deltarl.daemons.config import EX_CONFIG, ApplyConfig, ConfigError, DaemonShell, load
-from deltarl.engine import loop
+from deltarl.daemons.config import ApplyConfig, ConfigError, DaemonShell, daemon_main
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
 from deltarl.transport.base import ReceivedChunk, ReceivedManifest, make_receiver
@@ -310,14 +307,4 @@ async def _amain(cfg: ApplyConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="deltarl apply", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help="the deltarl TOML; reads [daemons.apply]")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s apply %(levelname)s %(message)s")
-    try:
-        cfg = load(ApplyConfig, "apply", args.config)
-        loop.run(_amain(cfg))
-    except ConfigError as e:
-        print(f"deltarl apply: {e}", file=sys.stderr)
-        return EX_CONFIG
-    return 0
+    return daemon_main("apply", ApplyConfig, argv, _amain, __doc__ or "")

@@ -13,6 +13,7 @@ serves, WATCHDOG from the event loop, STOPPING at the end).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -21,12 +22,13 @@ import signal
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from deltarl.ctl import TargetError, config_path, load_config
+from deltarl.engine import loop
 from deltarl.engine.notify import Notifier
 from deltarl.transport.base import LinkConfig, ShmLinkConfig, StreamLinkConfig
 from deltarl.transport.control import ControlServer, Handler, check_endpoint
@@ -197,6 +199,27 @@ def _check(where: str, cfg: Any) -> None:  # noqa: ANN401 - any of the config cl
         value = getattr(cfg, key, None)
         if value is not None and value <= 0:
             raise ConfigError(f"{where}: {key} must be positive, got {value}")
+
+
+def daemon_main(
+    daemon: str, cls: type[T], argv: list[str], amain: Callable[[T], Awaitable[None]], doc: str
+) -> int:
+    """``deltarl <daemon> --config FILE``: load the daemon's table, run it on the event loop.
+
+    A ConfigError, at load or while starting (say, a layout that cannot be found), exits with
+    EX_CONFIG, which the units do not restart on.
+    """
+    ap = argparse.ArgumentParser(prog=f"deltarl {daemon}", description=doc.splitlines()[0])
+    ap.add_argument("--config", help=f"the deltarl TOML; reads [daemons.{daemon}]")
+    args = ap.parse_args(argv)
+    fmt = f"%(asctime)s {daemon} %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt)
+    try:
+        loop.run(amain(load(cls, daemon, args.config)))
+    except ConfigError as e:
+        print(f"deltarl {daemon}: {e}", file=sys.stderr)
+        return EX_CONFIG
+    return 0
 
 
 def load(cls: type[T], daemon: str, path: str | None) -> T:

@@ -25,18 +25,15 @@ so every delta is built on bytes the receiver was seen holding.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
 from deltarl.codecs.encoder import DeltaEncoder
-from deltarl.daemons.config import EX_CONFIG, ConfigError, DaemonShell, ExportConfig, load
-from deltarl.engine import loop
+from deltarl.daemons.config import DaemonShell, ExportConfig, daemon_main
 from deltarl.engine.weight_store import WeightStore
 from deltarl.refit.manifest_store import ManifestStore, ManifestStoreError, State
 from deltarl.transport.base import ChunkSender, LinkError, make_sender
@@ -334,14 +331,4 @@ async def _amain(cfg: ExportConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="deltarl export", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help="the deltarl TOML; reads [daemons.export]")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s")
-    try:
-        cfg = load(ExportConfig, "export", args.config)
-    except ConfigError as e:
-        print(f"deltarl export: {e}", file=sys.stderr)
-        return EX_CONFIG
-    loop.run(_amain(cfg))
-    return 0
+    return daemon_main("export", ExportConfig, argv, _amain, __doc__ or "")
