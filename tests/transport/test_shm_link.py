@@ -8,9 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,8 +16,6 @@ import xxhash
 import zmq
 import zmq.asyncio
 
-from deltarl.codecs.encoder import DeltaEncoder
-from deltarl.engine.layout import Layout
 from deltarl.transport.base import (
     LinkError,
     ReceivedChunk,
@@ -37,36 +33,9 @@ from deltarl.transport.shm_link import (
     endpoint_of,
     remove_stale,
 )
+from tests.transport.linkdata import encoded_versions, run
 
-Version = tuple[list[bytes], bytes]
 REPO = str(Path(__file__).resolve().parents[2])
-
-
-def run(coro: Awaitable[Any], limit: float = 20.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(limit):
-            return await coro
-
-    return asyncio.run(bounded())
-
-
-def encoded_versions() -> tuple[Version, Version]:
-    """A full version 1 and a delta 1 -> 2 of a small random layout, in 4 KiB chunks."""
-    layout = Layout.pack([("a", "bfloat16", (20000,)), ("b", "float32", (3000,))])
-    rng = np.random.default_rng(11)
-    v1 = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
-    v2 = v1.copy()
-    v2[rng.choice(v2.size, 2000, replace=False)] ^= 1
-    enc = DeltaEncoder(layout, chunk_bytes=4096)
-    out = []
-    for cur, ref, version in ((v1, None, 1), (v2, v1, 2)):
-        e = enc.encode(cur, ref, target_version=version, base_version=None if ref is None else 1)
-        chunks = [c.data for c in e]
-        assert e.manifest is not None
-        out.append((chunks, e.manifest.to_json()))
-    assert len(out[0][0]) > 4
-    assert len(out[1][0]) > 1
-    return out[0], out[1]
 
 
 @pytest.fixture
@@ -88,7 +57,7 @@ def dead_pid() -> int:
 
 
 def test_two_versions_arrive_complete_byte_exact_and_zero_copy(config: ShmLinkConfig) -> None:
-    versions = encoded_versions()
+    versions = encoded_versions(11)
 
     async def main() -> None:
         async with make_receiver(config) as receiver, make_sender(config) as sender:

@@ -11,17 +11,15 @@ import socket
 import struct
 import types
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import zstandard
 
-from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import HEADER_SIZE
 from deltarl.codecs.manifest import RefitManifest
-from deltarl.engine.layout import Layout
 from deltarl.transport.base import (
     DeliveredSet,
     LinkError,
@@ -53,38 +51,9 @@ from deltarl.transport.stream_wire import (
     parse_header,
     unpack_ids,
 )
+from tests.transport.linkdata import encoded_versions, run
 
 HOST = "127.0.0.1"
-Version = tuple[list[bytes], bytes]  # chunks, manifest json
-
-
-def run(coro: Awaitable[Any], limit: float = 20.0) -> Any:
-    """Run a test coroutine with a hard limit, so a protocol bug fails instead of hanging."""
-
-    async def bounded() -> Any:
-        async with asyncio.timeout(limit):
-            return await coro
-
-    return asyncio.run(bounded())
-
-
-def encoded_versions() -> tuple[Version, Version]:
-    """A full version 1 and a delta 1 -> 2 of a small random layout, in 4 KiB chunks."""
-    layout = Layout.pack([("a", "bfloat16", (20000,)), ("b", "float32", (3000,))])
-    rng = np.random.default_rng(7)
-    v1 = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
-    v2 = v1.copy()
-    v2[rng.choice(v2.size, 2000, replace=False)] ^= 1
-    enc = DeltaEncoder(layout, chunk_bytes=4096)
-    out = []
-    for cur, ref, version in ((v1, None, 1), (v2, v1, 2)):
-        e = enc.encode(cur, ref, target_version=version, base_version=None if ref is None else 1)
-        chunks = [c.data for c in e]
-        assert e.manifest is not None
-        out.append((chunks, e.manifest.to_json()))
-    assert len(out[0][0]) > 4
-    assert len(out[1][0]) > 1
-    return out[0], out[1]
 
 
 async def collect(
@@ -124,7 +93,7 @@ def free_port() -> int:
 
 
 def test_two_versions_arrive_complete_and_byte_exact_over_four_connections() -> None:
-    versions = encoded_versions()
+    versions = encoded_versions(7)
 
     async def main() -> None:
         async with make_receiver(stream_config(0)) as receiver:
@@ -459,7 +428,7 @@ def test_a_receiver_that_never_acknowledges_is_treated_as_cut() -> None:
 
 def test_garbage_drops_that_connection_and_the_receiver_keeps_serving(caplog) -> None:
     caplog.set_level(logging.ERROR, logger="deltarl.transport.stream_receiver")
-    versions = encoded_versions()
+    versions = encoded_versions(7)
     chunks, manifest = versions[0]
     bad = {
         "unknown message type 0xff": b"\xff" * 64,
