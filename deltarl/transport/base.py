@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal, Self, Union
+from typing import TYPE_CHECKING, Any, Literal, Self, Union
 
 if TYPE_CHECKING:
     from deltarl.transport.ucx_link import UcxLinkConfig
@@ -364,36 +365,29 @@ def check_ids(version: int, chunk_id: int = 0) -> None:
         raise ValueError(f"chunk id {chunk_id} is outside [0, 2**32)")
 
 
+# link type -> (module, sender class, receiver class). Imported when first used: each backend
+# imports this module, and loads its own dependencies (ucxx only for "ucx").
+_BACKENDS = {
+    "shm": ("deltarl.transport.shm_link", "ShmSender", "ShmReceiver"),
+    "stream": ("deltarl.transport.stream", "StreamSender", "StreamReceiver"),
+    "ucx": ("deltarl.transport.ucx_link", "UcxSender", "UcxReceiver"),
+}
+
+
+def _backend(config: LinkConfig, role: int) -> Any:  # noqa: ANN401 - a class, by name
+    entry = _BACKENDS.get(config.type)
+    if entry is None:
+        raise ValueError(f"unknown link type {config.type!r}; expected 'shm', 'stream' or 'ucx'")
+    return getattr(importlib.import_module(entry[0]), entry[role])
+
+
 def make_sender(config: LinkConfig) -> ChunkSender:
     """The sender of the backend ``config.type`` names."""
-    # Imported here: each backend imports this module, and loads its own dependencies.
-    if config.type == "shm":
-        from deltarl.transport.shm_link import ShmSender  # noqa: PLC0415
-
-        return ShmSender(config)
-    if config.type == "stream":
-        from deltarl.transport.stream import StreamSender  # noqa: PLC0415
-
-        return StreamSender(config)
-    if config.type == "ucx":
-        from deltarl.transport.ucx_link import UcxSender  # noqa: PLC0415
-
-        return UcxSender(config)
-    raise ValueError(f"unknown link type {config.type!r}; expected 'shm', 'stream' or 'ucx'")
+    sender: ChunkSender = _backend(config, 1)(config)
+    return sender
 
 
 def make_receiver(config: LinkConfig) -> ChunkReceiver:
     """The receiver of the backend ``config.type`` names."""
-    if config.type == "shm":
-        from deltarl.transport.shm_link import ShmReceiver  # noqa: PLC0415
-
-        return ShmReceiver(config)
-    if config.type == "stream":
-        from deltarl.transport.stream import StreamReceiver  # noqa: PLC0415
-
-        return StreamReceiver(config)
-    if config.type == "ucx":
-        from deltarl.transport.ucx_link import UcxReceiver  # noqa: PLC0415
-
-        return UcxReceiver(config)
-    raise ValueError(f"unknown link type {config.type!r}; expected 'shm', 'stream' or 'ucx'")
+    receiver: ChunkReceiver = _backend(config, 2)(config)
+    return receiver
