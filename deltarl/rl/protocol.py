@@ -1,0 +1,164 @@
+"""The RL loop's control messages: rollout daemons and the trainer talk to the scheduler.
+
+The scheduler is the only server here; rollout daemons and the trainer are its clients, over
+the same ZeroMQ control sockets and tagged orjson messages as every other command
+(``deltarl.transport.messages``). Samples travel inside these messages: a group of a tiny
+model's completions is a few kilobytes, far below ``MAX_MESSAGE_BYTES``.
+
+A group's life in the scheduler (kept in its sqlite store, so a crash of any daemon loses
+nothing and trains nothing twice):
+
+    prompt cursor --GetWork--> ISSUED to an instance (lease; heartbeats keep it)
+        | instance missed its heartbeats, or its session changed -> back to the queue
+        v SubmitGroup (idempotent by group_id)
+    reward scoring (timeout, retries) -> POOLED (capacity bound; full: GetWork waits)
+        | TakeBatch(step): lag = trainer_version - oldest token version, checked here
+        |   over the bound: throttle | drop | sync (each counted; a dropped group's prompt
+        |   is queued again, so no prompt is skipped)
+        v
+    SHIPPED to step s (the same step asked again gets the same groups: exact replay)
+        | Checkpointed(step >= s)
+        v
+    TRAINED (final)
+
+Sample dicts (``SubmitGroup.samples`` and ``Batch.groups[i]["samples"]``) carry:
+``prompt_token_ids: list[int]``, ``token_ids: list[int]`` (the completion),
+``logprobs: list[float]`` (the engine's log-probability of each sampled token),
+``token_versions: list[int]`` (the weight version that produced each token),
+``text: str``, ``finish_reason: str``; in a Batch also ``reward: float``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from deltarl.transport.messages import REPLIES as BASE_REPLIES
+from deltarl.transport.messages import Command, Reply, decode_table
+
+# -- rollout daemon -> scheduler --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Heartbeat(Command):
+    """A rollout instance is alive; its health figures. Answered ``Ok``.
+
+    ``session`` is new at every start of the instance: a new session means the old one's
+    in-flight groups are lost and are queued again.
+    """
+
+    TAG: ClassVar[str] = "rl.heartbeat"
+    instance: str
+    session: str
+    weight_version: int | None = None
+    running_groups: int = 0
+    queue_depth: int = 0
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GetWork(Command):
+    """Ask for up to ``max_groups`` prompt groups to generate. Answered ``Work``."""
+
+    TAG: ClassVar[str] = "rl.get_work"
+    instance: str
+    session: str
+    max_groups: int = 1
+    weight_version: int | None = None
+
+
+@dataclass(frozen=True)
+class SubmitGroup(Command):
+    """The completions of one issued group. Answered ``Ok`` (also for a duplicate) or
+    ``Error`` (unknown or expired lease: the group was requeued and is not accepted)."""
+
+    TAG: ClassVar[str] = "rl.submit_group"
+    instance: str
+    session: str
+    group_id: str
+    samples: list[Any]
+
+
+# -- trainer -> scheduler ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TakeBatch(Command):
+    """The groups for optimizer step ``step``. Answered ``Batch`` (maybe empty: wait)."""
+
+    TAG: ClassVar[str] = "rl.take_batch"
+    step: int
+    groups: int
+    trainer_version: int
+
+
+@dataclass(frozen=True)
+class StepDone(Command):
+    """Step ``step`` is trained and published as ``version``; ``metrics`` (loss, timings)
+    go to the run metadata. Answered ``Ok``."""
+
+    TAG: ClassVar[str] = "rl.step_done"
+    step: int
+    version: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checkpointed(Command):
+    """A checkpoint holding every step up to ``step`` is durable: those groups are trained
+    for good. Answered ``Ok``."""
+
+    TAG: ClassVar[str] = "rl.checkpointed"
+    step: int
+
+
+@dataclass(frozen=True)
+class GetHistory(Command):
+    """The run metadata: configuration and per-step records. Answered ``History``."""
+
+    TAG: ClassVar[str] = "rl.history"
+    last: int = 0
+    """Only the last ``last`` steps; 0: all."""
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Work(Reply):
+    """Groups to generate. Each: ``group_id``, ``prompt_id``, ``prompt`` (text), ``n``
+    (samples), ``sampling`` (temperature, top_p, max_tokens, seed). Empty ``groups`` with
+    ``wait_s``: nothing now (pool full, throttled, or dataset exhausted: ``reason`` says).
+    ``sync_to``: generate nothing until the engine holds this weight version or newer."""
+
+    TAG: ClassVar[str] = "rl.work"
+    groups: list[Any]
+    wait_s: float = 0.0
+    reason: str = ""
+    sync_to: int | None = None
+
+
+@dataclass(frozen=True)
+class Batch(Reply):
+    """The groups of step ``step`` (each: ``group_id``, ``prompt_id``, ``samples`` with
+    ``reward``, and ``lag``). Empty with ``wait_s``: not enough pooled groups yet."""
+
+    TAG: ClassVar[str] = "rl.batch"
+    step: int
+    groups: list[Any]
+    wait_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class History(Reply):
+    TAG: ClassVar[str] = "rl.history"
+    config: dict[str, Any]
+    steps: list[Any]
+    counters: dict[str, Any] = field(default_factory=dict)
+
+
+RL_COMMANDS = decode_table(Heartbeat, GetWork, SubmitGroup, TakeBatch, StepDone, Checkpointed,
+                           GetHistory)  # fmt: skip
+REPLIES = {**BASE_REPLIES, **decode_table(Work, Batch, History)}
+"""What a client of the scheduler decodes: ``ControlClient(endpoint, replies=REPLIES)``."""
