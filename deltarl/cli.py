@@ -14,6 +14,8 @@ DAEMONS = {
     "trainer": "run the trainer daemon (--synthetic: a simulated policy)",
     "export": "run the export agent: diff, encode and send each published version",
     "apply": "run the apply agent: receive, verify and activate versions",
+    "scheduler": "run the scheduler: prompts, dispatch, rewards, sample pool, lag bound",
+    "rollout": "run a rollout daemon: vLLM generation, refit between engine steps",
 }
 
 
@@ -26,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     bench = sub.add_parser("bench", help="run a benchmark", add_help=False)
     bench.add_argument("name", choices=BENCHES)
     sub.add_parser("ctl", help="send a control command to a running daemon", add_help=False)
+    sub.add_parser(
+        "up", help="run the whole RL loop on this machine, then summarise", add_help=False
+    )
     for name, what in DAEMONS.items():
         sub.add_parser(name, help=what, add_help=False)
     args, rest = ap.parse_known_args(argv)
@@ -41,10 +46,20 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl import ctl  # noqa: PLC0415 - heavy imports only when used
 
         return ctl.main(rest)
-    if args.command == "trainer":
+    if args.command == "trainer" and "--synthetic" in rest:
         from deltarl.daemons import trainer_synthetic  # noqa: PLC0415 - heavy imports
 
         return trainer_synthetic.main(rest)
+    if args.command == "up":
+        from deltarl import up  # noqa: PLC0415 - heavy imports only when used
+
+        return up.main(rest)
+    if args.command in ("trainer", "scheduler", "rollout"):
+        import importlib  # noqa: PLC0415
+
+        daemon = importlib.import_module(f"deltarl.daemons.{args.command}")
+        code: int = daemon.main(rest)
+        return code
     if args.command == "export":
         from deltarl.daemons import export  # noqa: PLC0415 - heavy imports only when used
 

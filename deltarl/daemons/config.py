@@ -211,11 +211,17 @@ def daemon_main(
     """
     ap = argparse.ArgumentParser(prog=f"deltarl {daemon}", description=doc.splitlines()[0])
     ap.add_argument("--config", help=f"the deltarl TOML; reads [daemons.{daemon}]")
+    ap.add_argument(
+        "--name",
+        default=daemon,
+        help=f"read [daemons.NAME] instead (several {daemon} daemons on one host, or a relay "
+        "tree: apply-b, apply-c ...)",
+    )
     args = ap.parse_args(argv)
-    fmt = f"%(asctime)s {daemon} %(levelname)s %(message)s"
+    fmt = f"%(asctime)s {args.name} %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt)
     try:
-        loop.run(amain(load(cls, daemon, args.config)))
+        loop.run(amain(load(cls, args.name, args.config)))
     except ConfigError as e:
         print(f"deltarl {daemon}: {e}", file=sys.stderr)
         return EX_CONFIG
