@@ -14,6 +14,10 @@ manifest) of a new version opens a write transaction on the rollout store's inac
     verify every tensor against the manifest -> commit (flip) -> VersionApplied
       | any FrameError / checksum mismatch -> abort (the active version stays) -> RefitFailed
 
+With ``relay`` targets configured, every chunk and manifest is also relayed, as received, to
+further apply agents (daemons/relay.py), and ``status`` adds the ``tree`` that the export agent
+then reads instead of this agent's own fields.
+
 The export agent learns the outcome from ``status`` (the acknowledgement channel; events are
 notices only): ``session`` (new at every start), ``active_version``, ``last_failed`` and
 ``needs_full`` (set by a refusal or failure, cleared by an applied full version).
@@ -35,6 +39,7 @@ from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
 from deltarl.codecs.frame import KIND_FULL, NO_BASE, FrameError, FrameHeader
 from deltarl.codecs.manifest import ManifestError, RefitManifest
 from deltarl.daemons.config import ApplyConfig, ConfigError, DaemonShell, daemon_main
+from deltarl.daemons.relay import Relay
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
 from deltarl.transport.base import ReceivedChunk, ReceivedManifest, make_receiver
@@ -83,10 +88,14 @@ class ApplyAgent:
         self.applied = 0
         self.refused = 0
         self._lock = asyncio.Lock()
+        self.relay = Relay(config.relay)
 
     async def run(self) -> None:
+        self.relay.start()
         async with make_receiver(self.config.link) as receiver:
             async for item in receiver:
+                # Relay first: the children start on a chunk while this agent applies it.
+                self.relay.forward(item)
                 async with self._lock:
                     if isinstance(item, ReceivedChunk):
                         await self._on_chunk(item)
@@ -228,6 +237,8 @@ class ApplyAgent:
             "refused": self.refused,
             "store": self.config.rollout_store,
         }
+        if self.relay.children:
+            fields["tree"] = await self.relay.tree(fields)
         return Status("apply", "applying" if self.job else "running", fields)
 
     async def on_resync(self, _: Resync) -> Ok:
@@ -303,6 +314,7 @@ async def _amain(cfg: ApplyConfig) -> None:
     try:
         await shell.run(agent.run())
     finally:
+        await agent.relay.close()
         agent.close()
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from deltarl.ctl import TargetError, config_path, load_config
+from deltarl.daemons.relay import RelayTarget
 from deltarl.engine import loop
 from deltarl.engine.notify import Notifier
 from deltarl.transport.base import LinkConfig, ShmLinkConfig, StreamLinkConfig
@@ -99,6 +100,9 @@ class ApplyConfig:
     """Or a file holding ``Layout.to_json()``."""
     layout_wait_s: float = 120.0
     """How long to wait for ``layout_store`` to appear (the trainer creates it)."""
+    relay: tuple[RelayTarget, ...] = ()
+    """Further apply agents this one relays every chunk to (``[[daemons.apply.relay]]``
+    tables: control, link, name, max_queued_bytes); see daemons/relay.py."""
 
 
 _LINKS: dict[str, type[ShmLinkConfig] | type[StreamLinkConfig]] = {
@@ -141,7 +145,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return {
         f.name: eval(f.type, namespace) if isinstance(f.type, str) else f.type  # noqa: S307
         for f in dataclasses.fields(cls)
-        if f.name != "link"
+        if f.name not in ("link", "relay")
     }
 
 
@@ -160,6 +164,8 @@ def _build(cls: type[T], where: str, table: Mapping[str, Any]) -> T:
         value = table[f.name]
         if f.name == "link":
             values["link"] = _link(f"{where}.link", value)
+        elif f.name == "relay":
+            values["relay"] = _relay(f"{where}.relay", value)
         else:
             values[f.name] = _convert(where, f.name, hints[f.name], value)
     try:
@@ -181,6 +187,15 @@ def _link(where: str, table: Any) -> LinkConfig:  # noqa: ANN401 - TOML value
     if kind not in _LINKS:
         raise ConfigError(f"{where}: type must be one of {sorted(_LINKS)}, got {kind!r}")
     return _build(_LINKS[kind], where, table)
+
+
+def _relay(where: str, value: Any) -> tuple[RelayTarget, ...]:  # noqa: ANN401 - TOML value
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(f"{where} must be an array of tables ([[...relay]])")
+    targets = tuple(_build(RelayTarget, f"{where}[{i}]", t) for i, t in enumerate(value))
+    for i, target in enumerate(targets):
+        _check(f"{where}[{i}]", target)
+    return targets
 
 
 def _check(where: str, cfg: Any) -> None:  # noqa: ANN401 - any of the config classes

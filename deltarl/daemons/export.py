@@ -140,7 +140,10 @@ class ExportAgent:
         if not isinstance(reply, Status):
             logger.warning("apply agent answered status with %r", reply)
             return None
-        return reply.fields
+        # A relaying apply agent speaks for its whole tree (daemons/relay.py): every member
+        # must hold the reference, and a version is acknowledged once all of them hold it.
+        tree = reply.fields.get("tree")
+        return tree if isinstance(tree, dict) else reply.fields
 
     def _full_reason(self, receiver: dict[str, Any], version: int) -> str | None:  # noqa: PLR0911
         """Why the next version must be full (None: a delta on the reference is safe)."""
