@@ -109,7 +109,12 @@ class ApplyAgent:
             try:
                 header = FrameHeader.parse(memoryview(chunk.data).cast("B"))
             except FrameError as e:
-                logger.warning("dropping an unreadable chunk of version %d: %s", chunk.version, e)
+                # The transport's version label is all we have. Failing that version now
+                # (rather than waiting for the export agent's ack timeout) gets a full one sent
+                # at once; a version already done is left alone (a late, damaged duplicate).
+                logger.warning("unreadable chunk of version %d: %s", chunk.version, e)
+                if chunk.version not in self.finished:
+                    await self._fail(chunk.version, f"chunk {chunk.chunk_id} unreadable: {e}")
                 return
             base = None if header.kind == KIND_FULL else header.base
             job = await self._job_for(header.target, base)

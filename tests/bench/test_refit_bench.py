@@ -125,3 +125,10 @@ def test_without_privilege_it_says_so_and_stops(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "needs root" in captured.err
+
+
+def test_bench_refit_ucx_json_shape_and_bit_exactness() -> None:
+    # UCX over its tcp and shared-memory transports (no RDMA here); skipped where the
+    # optional ucx extra is not installed.
+    pytest.importorskip("ucxx", reason="the ucx extra (ucxx-cu12) is not installed")
+    _check_shape(_bench("--link", "ucx")[0], "ucx", None)
