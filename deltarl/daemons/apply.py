@@ -58,6 +58,7 @@ from deltarl.transport.messages import (
 logger = logging.getLogger(__name__)
 
 KEEP_FINISHED = 64  # versions remembered as done, so their late duplicates are ignored
+KEEP_DIGESTS = 16  # applied versions whose model digest ``status`` reports
 
 
 @dataclass
@@ -87,6 +88,9 @@ class ApplyAgent:
         self.last_failed: dict[str, Any] | None = None
         self.applied = 0
         self.refused = 0
+        # version -> the manifest's whole-model digest, for the rollout daemon to check what its
+        # engine loaded against what the trainer published (not just against this buffer).
+        self.digests: dict[int, str] = {}
         self._lock = asyncio.Lock()
         self.relay = Relay(config.relay)
 
@@ -208,7 +212,11 @@ class ApplyAgent:
                              "started_at": job.started, "committed_at": t_done,
                              "apply_s": job.apply_s, "open_s": job.open_s,
                              "verify_s": t_commit - t_verify,
-                             "commit_s": t_done - t_commit}  # fmt: skip
+                             "commit_s": t_done - t_commit,
+                             "model_xxh3_128": job.manifest.model_xxh3_128}  # fmt: skip
+        self.digests[job.version] = job.manifest.model_xxh3_128
+        while len(self.digests) > KEEP_DIGESTS:
+            del self.digests[min(self.digests)]
         logger.info("version %d active (base %s, %.3f s)", job.version, job.base, seconds)
         await self.shell.publish(VersionApplied(job.version, job.base, seconds))
 
@@ -241,6 +249,7 @@ class ApplyAgent:
             "applied": self.applied,
             "refused": self.refused,
             "store": self.config.rollout_store,
+            "digests": {str(v): d for v, d in self.digests.items()},
         }
         if self.relay.children:
             fields["tree"] = await self.relay.tree(fields)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ from deltarl.transport.messages import (
 logger = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 2.0
+RECENT = 64
 
 
 class ExportAgent:
@@ -78,6 +80,9 @@ class ExportAgent:
         self.sent = 0
         self.failed = 0
         self.last: dict[str, Any] | None = None
+        # The last RECENT ``last`` records: `deltarl up` reads every refit's figures from here
+        # even when versions come faster than it polls.
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.taken_at = 0.0
 
     # -- the loop -------------------------------------------------------------------------
@@ -221,6 +226,7 @@ class ExportAgent:
                      "outcome": outcome or "active", "taken_at": self.taken_at, "started_at": t0,
                      "copy_s": round(t0 - self.taken_at, 6), "sent_at": sent_at,
                      "encode_s": round(encode_s, 6), "send_s": round(send_s, 6)}  # fmt: skip
+        self.recent.append(self.last)
         if outcome is None:
             if recorded:
                 self._mark(version, State.VERIFIED)
@@ -295,6 +301,7 @@ class ExportAgent:
             "sent": self.sent,
             "failed": self.failed,
             "last": self.last,
+            "recent": list(self.recent),
             "detail": self.state,
         }
         return Status("export", "paused" if self.paused else "running", fields)
