@@ -121,6 +121,10 @@ def _convert(where: str, name: str, hint: Any, value: Any) -> Any:  # noqa: ANN4
         if len(inner) == 1:
             return _convert(where, name, inner[0], value)
         return value  # LinkConfig is built separately
+    if typing.get_origin(hint) is dict or hint is dict:
+        if isinstance(value, dict):
+            return dict(value)  # a free-form table, checked by whoever reads it
+        raise ConfigError(f"{where}: {name} must be a table, got {value!r}")
     if typing.get_origin(hint) is typing.Literal:
         if value in args:
             return value
