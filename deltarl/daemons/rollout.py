@@ -1,0 +1,333 @@
+"""``deltarl rollout --config FILE [--name rollout-N]``: generate with vLLM, refit between steps.
+
+One rollout daemon drives one vLLM engine (``deltarl.rollout.engine``). Its loop, one engine
+call at a time (so a weight update can only happen between engine steps, never during one):
+
+    the apply agent's store holds a newer active version?
+      -> update the engine from it (the worker extension reads the store under a reader lease)
+         and check the digest of what the engine loaded against the manifest's model digest,
+         which the apply agent reports: the engine, not just the buffer, is proven bit-exact
+    room for more groups (and no ``sync_to`` pending)?  -> GetWork from the scheduler
+    groups in flight?  -> one engine step; each finished group -> SubmitGroup
+    nothing to do -> wait a little
+
+A heartbeat task reports health (version, groups in flight, queue depth, tokens/s) every
+``heartbeat_s``; the scheduler requeues the groups of an instance that misses them, and of a
+restarted one (``session`` is new at every start).
+
+Invariant: ``engine_version`` is the version whose weights every token generated since the
+last update came from; the engine tags each token with it (``token_versions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltarl.daemons.config import ConfigError, DaemonShell, daemon_main
+from deltarl.engine.weight_store import WeightStore
+from deltarl.rl.protocol import REPLIES, GetWork, Heartbeat, SubmitGroup, Work
+from deltarl.transport.control import ControlClient, ControlProtocolError, ControlTimeoutError
+from deltarl.transport.messages import (
+    Error,
+    GetStatus,
+    Ok,
+    Pause,
+    Resume,
+    Shutdown,
+    Status,
+)
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    control: str
+    scheduler: str
+    """The scheduler's control endpoint (work, samples, heartbeats)."""
+    rollout_store: str
+    """The apply agent's store: the weights this engine serves."""
+    apply_control: str | None = None
+    """The apply agent's control endpoint: its ``status`` reports each version's model digest,
+    which the engine's own digest must equal. None: the check is against the store's bytes."""
+    store_root: Path | None = None
+    model_dir: Path | None = None
+    """A Hugging Face model directory (config, tokenizer); None: the embedded default model."""
+    instance: str = "rollout"
+    """This engine's name at the scheduler (unique per engine)."""
+    max_running_groups: int = 8
+    heartbeat_s: float = 1.0
+    idle_s: float = 0.05
+    """How long to wait when there is nothing to generate."""
+    store_wait_s: float = 600.0
+    """How long to wait for the apply agent's store to hold a first version."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Knobs of ``VllmEngineConfig`` (max_model_len, kv_cache_gb, seed, ...)."""
+
+
+class RolloutDaemon:
+    def __init__(self, config: RolloutConfig, shell: DaemonShell) -> None:
+        self.config = config
+        self.shell = shell
+        self.session = secrets.token_hex(8)
+        self.scheduler = ControlClient(config.scheduler, replies=REPLIES)
+        self.apply = None if config.apply_control is None else ControlClient(config.apply_control)
+        self.engine: Any = None  # deltarl.rollout.engine.VllmEngine once started
+        self.store: WeightStore | None = None
+        self.engine_version: int | None = None
+        self.in_flight: dict[str, float] = {}  # group id -> when it was added
+        self.sync_to: int | None = None
+        self.paused = False
+        self.state = "starting"
+        self.generated_tokens = 0
+        self.submitted_groups = 0
+        self.refused_groups = 0
+        self.refits: list[dict[str, Any]] = []  # every engine update, in order
+        self.verified = 0
+        self.mismatches = 0
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.store = await self._open_store()
+        version = await self._first_version()
+        self.state = "starting the engine"
+        self.engine = await asyncio.to_thread(self._make_engine)
+        await self._refit(version)
+        heartbeat = asyncio.create_task(self._heartbeats(), name="rollout:heartbeat")
+        try:
+            while True:
+                await self._one_round()
+        finally:
+            heartbeat.cancel()
+
+    def _make_engine(self) -> Any:  # noqa: ANN401 - VllmEngine, imported lazily (vLLM is heavy)
+        from deltarl.rl.tiny_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: PLC0415
+        from deltarl.rollout.engine import VllmEngine, VllmEngineConfig  # noqa: PLC0415
+
+        model_dir = self.config.model_dir or ensure_default_model(DEFAULT_MODEL_DIR())
+        try:
+            engine_config = VllmEngineConfig(**self.config.engine)
+        except TypeError as e:
+            raise ConfigError(f"[daemons.{self.config.instance}].engine: {e}") from None
+        engine = VllmEngine(Path(model_dir), engine_config)
+        engine.start()
+        return engine
+
+    async def _one_round(self) -> None:
+        assert self.store is not None  # set in run()
+        active = self.store.active_version
+        if active is not None and active != self.engine_version:
+            await self._refit(active)
+        waiting_for_sync = self.sync_to is not None and (self.engine_version or 0) < self.sync_to
+        room = self.config.max_running_groups - len(self.in_flight)
+        if not self.paused and not waiting_for_sync and room > 0:
+            await self._get_work(room)
+        if self.in_flight:
+            self.state = f"generating ({len(self.in_flight)} groups)"
+            finished = await asyncio.to_thread(self.engine.step)
+            tokens = sum(len(s["token_ids"]) for g in finished for s in g.samples)
+            self.generated_tokens += tokens
+            self._rate.append((time.monotonic(), tokens))
+            for group in finished:
+                await self._submit(group.group_id, group.samples)
+            return
+        self.state = "paused" if self.paused else (
+            f"waiting for version {self.sync_to}" if waiting_for_sync else "idle")  # fmt: skip
+        await asyncio.sleep(self.config.idle_s)
+
+    async def _get_work(self, room: int) -> None:
+        reply = await self._ask(GetWork(self.config.instance, self.session, room,
+                                        self.engine_version))  # fmt: skip
+        if not isinstance(reply, Work):
+            return
+        self.sync_to = reply.sync_to
+        for g in reply.groups:
+            group_id = str(g["group_id"])
+            if group_id in self.in_flight:
+                continue  # the scheduler re-issued a group we hold (our lease outlived it)
+            await asyncio.to_thread(
+                self.engine.add_group, group_id, str(g["prompt"]), int(g["n"]),
+                dict(g.get("sampling") or {}),
+            )  # fmt: skip
+            self.in_flight[group_id] = time.monotonic()
+        if not reply.groups and reply.wait_s > 0 and not self.in_flight:
+            await asyncio.sleep(min(reply.wait_s, 1.0))
+
+    async def _submit(self, group_id: str, samples: list[dict[str, Any]]) -> None:
+        self.in_flight.pop(group_id, None)
+        # Retried until the scheduler answers: a finished group is never silently lost. If it
+        # refuses (the lease expired and the prompt was requeued), the group is dropped here
+        # and the scheduler has counted the requeue.
+        while True:
+            reply = await self._ask(SubmitGroup(self.config.instance, self.session, group_id,
+                                                samples))  # fmt: skip
+            if isinstance(reply, Ok):
+                self.submitted_groups += 1
+                return
+            if isinstance(reply, Error):
+                self.refused_groups += 1
+                logger.warning("group %s refused by the scheduler: %s", group_id, reply.message)
+                return
+            await asyncio.sleep(0.5)
+
+    async def _ask(self, command: Any) -> Any:  # noqa: ANN401 - a Command, and its Reply
+        try:
+            return await self.scheduler.request(command, REQUEST_TIMEOUT_S)
+        except (ControlTimeoutError, ControlProtocolError) as e:
+            logger.info("scheduler at %s not answering: %s", self.config.scheduler, e)
+            return None
+
+    # -- weights --------------------------------------------------------------------------
+
+    async def _open_store(self) -> WeightStore:
+        self.state = "waiting for the rollout store"
+        deadline = time.monotonic() + self.config.store_wait_s
+        while True:
+            try:
+                return WeightStore.open(
+                    self.config.rollout_store, root=self.config.store_root, readonly=True
+                )
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _first_version(self) -> int:
+        assert self.store is not None
+        self.state = "waiting for a first version"
+        deadline = time.monotonic() + self.config.store_wait_s
+        while (version := self.store.active_version) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no version in {self.config.rollout_store} in time")
+            await asyncio.sleep(0.1)
+        return version
+
+    async def _refit(self, version: int) -> None:
+        """Load ``version`` into the engine (between steps) and prove what it loaded."""
+        self.state = f"loading version {version}"
+        root = None if self.config.store_root is None else str(self.config.store_root)
+        t0 = time.monotonic()
+        result = await asyncio.to_thread(
+            self.engine.update_weights, self.config.rollout_store, root, version
+        )
+        seconds = time.monotonic() - t0
+        loaded = int(result["version"])  # the store may have flipped again: that one is loaded
+        expected = await self._expected_digest(loaded)
+        ok = expected is not None and expected == result["digest"]
+        if ok:
+            self.verified += 1
+        else:
+            self.mismatches += 1
+            logger.error("version %d: the engine's digest %s is not the manifest's %s",
+                         loaded, result["digest"], expected)  # fmt: skip
+        self.engine_version = loaded
+        self.refits.append({"version": loaded, "seconds": round(seconds, 6),
+                            "verified": ok, "at": time.time()})  # fmt: skip
+        logger.info("engine at version %d (%.3f s, %s)", loaded, seconds,
+                    "verified" if ok else "NOT VERIFIED")  # fmt: skip
+
+    async def _expected_digest(self, version: int) -> str | None:
+        """The manifest's model digest of ``version``, as the apply agent reports it."""
+        if self.apply is None:
+            return None
+        for _ in range(20):  # the apply agent reports a version right after its flip
+            try:
+                reply = await self.apply.request(GetStatus(), REQUEST_TIMEOUT_S)
+            except (ControlTimeoutError, ControlProtocolError):
+                reply = None
+            if isinstance(reply, Status):
+                digest = (reply.fields.get("digests") or {}).get(str(version))
+                if digest is not None:
+                    return str(digest)
+            await asyncio.sleep(0.1)
+        return None
+
+    # -- health ---------------------------------------------------------------------------
+
+    def tokens_per_s(self) -> float:
+        if len(self._rate) < 2:
+            return 0.0
+        span = self._rate[-1][0] - self._rate[0][0]
+        return 0.0 if span <= 0 else sum(n for _, n in list(self._rate)[1:]) / span
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._ask(Heartbeat(
+                self.config.instance, self.session, self.engine_version,
+                running_groups=len(self.in_flight), queue_depth=len(self.in_flight),
+                tokens_per_s=round(self.tokens_per_s(), 3),
+            ))  # fmt: skip
+            self.shell.notifier.status(f"{self.state}; version {self.engine_version}")
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    # -- control handlers -----------------------------------------------------------------
+
+    async def on_status(self, _: GetStatus) -> Status:
+        fields = {
+            "engine": None if self.engine is None else self.engine.engine_name,
+            "instance": self.config.instance,
+            "session": self.session,
+            "weight_version": self.engine_version,
+            "running_groups": len(self.in_flight),
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": round(self.tokens_per_s(), 3),
+            "submitted_groups": self.submitted_groups,
+            "refused_groups": self.refused_groups,
+            "sync_to": self.sync_to,
+            "refits": self.refits[-256:],
+            "verified": self.verified,
+            "mismatches": self.mismatches,
+            "detail": self.state,
+        }
+        return Status("rollout", "paused" if self.paused else "running", fields)
+
+    async def on_pause(self, _: Pause) -> Ok:
+        self.paused = True
+        return Ok("paused: groups in flight finish, no new work is taken")
+
+    async def on_resume(self, _: Resume) -> Ok:
+        self.paused = False
+        return Ok("resumed")
+
+    async def on_shutdown(self, _: Shutdown) -> Ok:
+        self.shell.stop.set()
+        return Ok("stopping")
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+        if self.apply is not None:
+            await self.apply.close()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
+        if self.store is not None:
+            self.store.close()
+
+
+async def _amain(cfg: RolloutConfig) -> None:
+    shell = DaemonShell(cfg.instance, cfg.control, {})
+    daemon = RolloutDaemon(cfg, shell)
+    shell.handlers.update({
+        GetStatus: daemon.on_status,
+        Pause: daemon.on_pause,
+        Resume: daemon.on_resume,
+        Shutdown: daemon.on_shutdown,
+    })  # fmt: skip
+    try:
+        await shell.run(daemon.run())
+    finally:
+        await daemon.close()
+
+
+def main(argv: list[str]) -> int:
+    return daemon_main("rollout", RolloutConfig, argv, _amain, __doc__ or "")
