@@ -418,14 +418,21 @@ class ControlClient:
                 waiter.set_exception(ControlProtocolError(f"client for {self.endpoint} closed"))
 
 
-def request_sync(endpoint: str, command: Command, timeout: float = DEFAULT_TIMEOUT) -> Reply:
+def request_sync(
+    endpoint: str,
+    command: Command,
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    replies: Mapping[str, type[Reply]] = REPLIES,
+) -> Reply:
     """One request from synchronous code (the CLI): its own event loop, client and socket.
 
     Not for use inside a running event loop; there, use ``ControlClient`` directly.
+    ``replies``: the reply types to decode (a daemon's own replies, e.g. the scheduler's).
     """
 
     async def once() -> Reply:
-        async with ControlClient(endpoint) as client:
+        async with ControlClient(endpoint, replies=replies) as client:
             return await client.request(command, timeout)
 
     return asyncio.run(once())
