@@ -8,8 +8,8 @@ model's completions is a few kilobytes, far below ``MAX_MESSAGE_BYTES``.
 A group's life in the scheduler (kept in its sqlite store, so a crash of any daemon loses
 nothing and trains nothing twice):
 
-    prompt cursor --GetWork--> ISSUED to an instance (lease; heartbeats keep it)
-        | instance missed its heartbeats, or its session changed -> back to the queue
+    prompt cursor --GetWork--> ISSUED to an instance (a lease from issue; heartbeats: alive)
+        | lease ran out, instance missed its heartbeats, or its session changed -> back to the queue
         v SubmitGroup (idempotent by group_id)
     reward scoring (timeout, retries) -> POOLED (capacity bound; full: GetWork waits)
         | TakeBatch(step): lag = trainer_version - oldest token version, checked here

@@ -1,0 +1,139 @@
+"""The scheduler's ``[daemons.scheduler]`` table (loaded by ``deltarl.daemons.config.load``).
+
+Example::
+
+    [daemons.scheduler]
+    control = "ipc:///run/deltarl/scheduler.sock"
+    db = "/var/lib/deltarl/scheduler.sqlite"
+    group_size = 8
+    groups_per_step = 16
+    max_policy_lag_steps = 2
+    on_lag_exceeded = "throttle"
+
+    [daemons.scheduler.sampling]
+    temperature = 1.0
+    max_tokens = 16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+LagAction = Literal["throttle", "drop", "sync"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every group is generated with (``Work.groups[i]["sampling"]``, plus a seed)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
+            raise ValueError(
+                "sampling: temperature >= 0, 0 < top_p <= 1 and max_tokens >= 1 are required,"
+                f" got {self}"
+            )
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any]) -> Sampling:
+        """A ``[daemons.scheduler.sampling]`` table; ValueError naming a bad key or value."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(table) - names)
+        if unknown:
+            raise ValueError(f"sampling: unknown key(s) {unknown}; known: {sorted(names)}")
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if key == "max_tokens":
+                ok = ok and isinstance(value, int)
+            if not ok:
+                raise ValueError(f"sampling: {key} must be a number, got {value!r}")
+            values[key] = value if key == "max_tokens" else float(value)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    control: str
+    """The scheduler's control endpoint: rollout daemons, the trainer and ``ctl`` talk to it."""
+    db: Path
+    """The sqlite store (deltarl.scheduler.store): cursor, groups, counters, run metadata."""
+    task: str = "default"
+    """The task by name (deltarl.rl.task.TASKS): prompts and reward."""
+    policy: str = "fifo"
+    """The dispatch policy by name (deltarl.scheduler.policy.POLICIES)."""
+    group_size: int = 8
+    """Samples per prompt (GRPO's group)."""
+    groups_per_step: int = 8
+    """Groups per optimizer step; a TakeBatch asking for another number is refused."""
+    pool_capacity: int = 64
+    """Groups the pool holds, counting the ones issued and not yet submitted (their slots are
+    reserved at issue, so a submission never finds the pool full)."""
+    max_policy_lag_steps: int = 2
+    """A hard bound: no batch holds a group whose oldest token is more versions behind the
+    trainer than this, measured when the batch is shipped."""
+    on_lag_exceeded: LagAction = "throttle"
+    """What keeps the lag in bound besides dropping stale groups at ship time (service docs)."""
+    heartbeat_timeout_s: float = 15.0
+    """An instance silent this long is removed and its groups are queued again."""
+    lease_s: float = 300.0
+    """An issued group not submitted this long after its issue is queued again (heartbeats
+    do not renew it: see the service's docstring). Durable across scheduler restarts."""
+    reward_timeout_s: float = 10.0
+    reward_retries: int = 2
+    reward_workers: int = 8
+    max_reward_failures: int = 3
+    """A prompt whose group's reward failed this often is abandoned (counted); 0: never."""
+    sampling: Sampling | Mapping[str, Any] = field(default_factory=Sampling)
+    """``[daemons.scheduler.sampling]``: temperature, top_p, max_tokens."""
+    dataset_size: int = 0
+    """Prompts in the dataset; 0: infinite."""
+    seed: int = 0
+    """The dataset's and the sampling seeds' root."""
+    tick_s: float = 0.5
+    """How often heartbeats and leases are checked."""
+    wait_s: float = 0.2
+    """The back-off suggested in an empty Work or Batch."""
+
+    def __post_init__(self) -> None:
+        # The shared loader hands a nested table over as it is (a union of two non-None types
+        # is left to the class); it becomes a Sampling here, so a bad key names ``sampling``.
+        if not isinstance(self.sampling, Sampling):
+            if not isinstance(self.sampling, Mapping):
+                raise TypeError(f"sampling must be a table, got {self.sampling!r}")
+            object.__setattr__(self, "sampling", Sampling.from_table(self.sampling))
+        positive = ("group_size", "groups_per_step", "pool_capacity", "reward_workers")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        for key in ("heartbeat_timeout_s", "lease_s", "reward_timeout_s", "tick_s", "wait_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        for key in ("max_policy_lag_steps", "reward_retries", "max_reward_failures",
+                    "dataset_size"):  # fmt: skip
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must not be negative, got {getattr(self, key)}")
+        if self.pool_capacity < self.groups_per_step:
+            raise ValueError(
+                f"pool_capacity ({self.pool_capacity}) must hold at least groups_per_step "
+                f"({self.groups_per_step}), or no step could ever be filled"
+            )
+
+    @property
+    def sampling_params(self) -> Sampling:
+        assert isinstance(self.sampling, Sampling)  # __post_init__ made it one
+        return self.sampling
+
+    def as_record(self) -> dict[str, Any]:
+        """The configuration as plain JSON values (the run metadata)."""
+        record = dataclasses.asdict(self)
+        record["db"] = str(self.db)
+        record["sampling"] = dataclasses.asdict(self.sampling_params)
+        return record

@@ -1,0 +1,451 @@
+"""The scheduler's logic, one method per command of ``deltarl.rl.protocol``; no sockets here.
+
+Two clocks take back issued work. Heartbeats keep an *instance*: one silent for
+``heartbeat_timeout_s`` is removed and everything it holds is queued again, and a new session
+of an instance requeues what its old sessions held. A *group* has a lease of ``lease_s`` from
+its issue, which heartbeats do not renew: an instance that lost the ``Work`` reply (a timeout,
+a scheduler restart) keeps heartbeating but never submits those groups, and only a deadline of
+their own brings them back. Leases are wall-clock and durable, so they also requeue the work
+of an instance that died while the scheduler was down.
+
+Every state change goes through ``SchedulerStore`` in one transaction before the reply is
+sent, so whatever the reply was, the store already holds it: a client that lost the reply and
+asks again gets the same answer (a duplicate submit is ``Ok``; the same step is the same
+batch). See the store's docstring for a prompt's life and why none is trained twice or skipped.
+
+The lag bound (``max_policy_lag_steps``, measured at ship time: trainer version minus the
+group's oldest token version, time in the pool included) is hard under every policy: a pooled
+group over it is dropped and its prompt queued again (``dropped_groups.lag_exceeded``), never
+shipped. ``on_lag_exceeded`` says what the scheduler does *before* that, at ``GetWork``:
+
+- ``throttle``: issue nothing that is predicted to arrive over the bound. The prediction: the
+  batch a group issued now lands in is (pooled + issued) // groups_per_step steps after the
+  next one, the trainer will hold its current version plus those steps (plus one if a shipped
+  step is still training), and the group's tokens will be the asking instance's version. Over
+  the bound: ``Work([], reason="throttle: ...")``, counted ``lag.throttled``. Generation waits
+  for the trainer; little is wasted.
+- ``sync``: an instance whose weights are more than the bound behind the trainer gets
+  ``sync_to`` = the trainer's version and no work until it has refitted (``lag.sync``):
+  asynchrony degrades to synchronous steps for the instances that fall behind.
+- ``drop``: no gate; generation runs ahead freely and whatever goes stale is dropped at ship
+  time. Most throughput, most waste.
+
+Reward failures: a group is scored whole (GRPO normalises within the group). A sample whose
+reward still fails after the retries drops the whole group (``dropped_groups.reward_timeout``
+or ``.reward_error``, its samples in ``dropped_samples.*``) and queues the prompt again; after
+``max_reward_failures`` failed groups the prompt is abandoned (``abandoned_prompts``), so a
+prompt its reward can never score cannot stall the run, and is never lost silently either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from deltarl.rl.protocol import (
+    Batch,
+    Checkpointed,
+    GetHistory,
+    GetWork,
+    Heartbeat,
+    History,
+    StepDone,
+    SubmitGroup,
+    TakeBatch,
+    Work,
+)
+from deltarl.rl.task import Task, make_task, mix64
+from deltarl.scheduler.config import SchedulerConfig
+from deltarl.scheduler.policy import (
+    Candidates,
+    DispatchPolicy,
+    InstanceLoad,
+    WorkRequest,
+    make_policy,
+)
+from deltarl.scheduler.reward import RewardFailedError, RewardScorer
+from deltarl.scheduler.store import Group, PromptState, SchedulerStore, parse_group_id
+from deltarl.transport.messages import Error, Ok, Reply
+
+logger = logging.getLogger(__name__)
+
+THROUGHPUT_WINDOW_S = 60.0
+
+
+@dataclass
+class Instance:
+    """A live rollout instance, as its heartbeats and requests describe it (memory only: after
+    a restart the durable leases stand in until it is heard from again)."""
+
+    name: str
+    session: str
+    last_seen: float  # monotonic
+    last_seen_wall: float
+    weight_version: int | None = None
+    running_groups: int = 0
+    queue_depth: int = 0
+    tokens_per_s: float = 0.0
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        store: SchedulerStore,
+        *,
+        task: Task | None = None,
+        policy: DispatchPolicy | None = None,
+        monotonic: Any = time.monotonic,  # noqa: ANN401 - a clock: () -> float
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.task = task or make_task(config.task, seed=config.seed, size=config.dataset_size)
+        self.policy = policy or make_policy(config.policy)
+        self.scorer = RewardScorer(
+            self.task.reward,
+            timeout_s=config.reward_timeout_s,
+            retries=config.reward_retries,
+            workers=config.reward_workers,
+            count=store.bump,
+        )
+        self.monotonic = monotonic
+        self.paused = False
+        self.instances: dict[str, Instance] = {}
+        self._scoring: dict[str, asyncio.Future[Reply]] = {}
+        self._pooled_at: deque[tuple[float, int]] = deque()  # (monotonic, samples): throughput
+        version = store.meta("trainer_version")
+        self.trainer_version: int | None = None if version is None else int(version)
+        store.record_run(config.as_record())
+        # Instances that held work when the scheduler stopped get one heartbeat timeout from
+        # now to be heard from, as if they had just been seen: they could not reach us.
+        now, wall = monotonic(), store.clock()
+        for g in store.groups(PromptState.ISSUED):
+            if g.instance is not None and g.session is not None:
+                self.instances.setdefault(
+                    g.instance, Instance(g.instance, g.session, now, wall, g.weight_version)
+                )
+
+    # -- instances and leases -------------------------------------------------------------
+
+    def _see(self, instance: str, session: str, weight_version: int | None = None) -> Instance:
+        """Note that ``instance`` is alive; a new session requeues what older ones held."""
+        known = self.instances.get(instance)
+        if known is None or known.session != session:
+            n = self.store.requeue_instance(instance, "session_changed", keep_session=session)
+            if n:
+                logger.info("instance %s: new session %s, %d groups requeued", instance,
+                            session, n)  # fmt: skip
+            known = Instance(instance, session, 0.0, 0.0)
+            self.instances[instance] = known
+        known.last_seen, known.last_seen_wall = self.monotonic(), self.store.clock()
+        if weight_version is not None:
+            known.weight_version = weight_version
+        return known
+
+    def expire(self) -> None:
+        """Remove instances that missed their heartbeats (requeueing their groups), then
+        requeue groups whose durable lease ran out."""
+        now = self.monotonic()
+        for name, inst in list(self.instances.items()):
+            if now - inst.last_seen > self.config.heartbeat_timeout_s:
+                del self.instances[name]
+                n = self.store.requeue_instance(name, "heartbeat_missed")
+                logger.warning("instance %s missed its heartbeats: removed, %d groups requeued",
+                               name, n)  # fmt: skip
+        expired = self.store.requeue_expired()
+        if expired:
+            logger.warning("%d leases expired: prompts %s requeued", len(expired), expired[:8])
+
+    async def run(self) -> None:
+        """The daemon's background work: check heartbeats and leases every ``tick_s``."""
+        while True:
+            self.expire()
+            await asyncio.sleep(self.config.tick_s)
+
+    # -- rollout instances -----------------------------------------------------------------
+
+    async def heartbeat(self, cmd: Heartbeat) -> Reply:
+        inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
+        inst.running_groups, inst.queue_depth = cmd.running_groups, cmd.queue_depth
+        inst.tokens_per_s = cmd.tokens_per_s
+        return Ok()
+
+    def _wait(self, reason: str, sync_to: int | None = None) -> Work:
+        return Work([], wait_s=self.config.wait_s, reason=reason, sync_to=sync_to)
+
+    def _steps_in_training(self) -> int:
+        last = self.store.history(last=1)
+        return 1 if last and last[0]["done_at"] is None else 0
+
+    def _lag_gate(self, version: int | None) -> Work | None:
+        """The ``on_lag_exceeded`` gate at GetWork (module docstring); None: go ahead."""
+        cfg, tv = self.config, self.trainer_version
+        if tv is None or version is None or cfg.on_lag_exceeded == "drop":
+            return None
+        bound = cfg.max_policy_lag_steps
+        if cfg.on_lag_exceeded == "sync":
+            if tv - version > bound:
+                self.store.bump("lag.sync")
+                return self._wait(f"sync: weights {version}, trainer {tv}, bound {bound}", tv)
+            return None
+        counts = self.store.state_counts()
+        ahead = (counts["pooled"] + counts["issued"]) // cfg.groups_per_step
+        predicted = tv + self._steps_in_training() + ahead - version
+        if predicted > bound:
+            self.store.bump("lag.throttled")
+            return self._wait(f"throttle: predicted lag {predicted} > bound {bound}")
+        return None
+
+    async def get_work(self, cmd: GetWork) -> Reply:
+        cfg = self.config
+        inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
+        self.expire()
+        if self.paused:
+            return self._wait("paused")
+        gate = self._lag_gate(inst.weight_version)
+        if gate is not None:
+            return gate
+        counts = self.store.state_counts()
+        room = cfg.pool_capacity - counts["pooled"] - counts["issued"]
+        if room <= 0:
+            return self._wait(f"pool full ({cfg.pool_capacity} groups pooled or issued)")
+        want = min(room, max(cmd.max_groups, 0))
+        cursor = self.store.cursor
+        end = cursor + want if not cfg.dataset_size else min(cursor + want, cfg.dataset_size)
+        candidates = Candidates(self.store.queued(want), range(cursor, end))
+        if not candidates.queued and not candidates.fresh:
+            return self._wait("dataset exhausted" if want else "asked for no groups")
+        held: dict[str, int] = dict.fromkeys(self.instances, 0)
+        for g in self.store.groups(PromptState.ISSUED):
+            if g.instance in held:
+                held[g.instance] += 1
+        loads = [
+            InstanceLoad(i.name, held[i.name], i.running_groups, i.queue_depth, i.tokens_per_s,
+                         i.weight_version)
+            for i in self.instances.values()
+        ]  # fmt: skip
+        chosen = self.policy.choose(WorkRequest(cmd.instance, cmd.max_groups, room), loads,
+                                    candidates)  # fmt: skip
+        if not chosen:
+            return self._wait(f"the {self.policy.name} policy gives {cmd.instance} nothing now")
+        groups = self.store.issue(
+            chosen[:room],
+            instance=cmd.instance,
+            session=cmd.session,
+            weight_version=inst.weight_version,
+            lease_s=cfg.lease_s,
+            dataset_size=cfg.dataset_size,
+        )
+        return Work([self._work_item(g) for g in groups])
+
+    def _work_item(self, g: Group) -> dict[str, Any]:
+        s = self.config.sampling_params
+        return {
+            "group_id": g.group_id,
+            "prompt_id": g.prompt_id,
+            "prompt": self.task.prompt(g.prompt_id),
+            "n": self.config.group_size,
+            "sampling": {
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "max_tokens": s.max_tokens,
+                "seed": mix64(self.config.seed, g.prompt_id, g.attempt) >> 33,
+            },
+        }
+
+    async def submit_group(self, cmd: SubmitGroup) -> Reply:
+        self._see(cmd.instance, cmd.session)
+        n = len(cmd.samples) if isinstance(cmd.samples, list) else 0
+        ids = parse_group_id(cmd.group_id)
+        group = None if ids is None else self.store.group(ids[0])
+        if ids is None or group is None:
+            self._count_drop("unknown_group", n)
+            return Error("unknown_group", f"no group {cmd.group_id!r} was issued")
+        prompt_id, attempt = ids
+        if group.attempt == attempt and group.state in (
+            PromptState.POOLED, PromptState.SHIPPED, PromptState.TRAINED
+        ):  # fmt: skip
+            self.store.bump("submit.duplicate")
+            return Ok(f"duplicate: group {cmd.group_id} is {group.state} already")
+        running = self._scoring.get(cmd.group_id)
+        if running is not None:  # the same group again while it is being scored
+            self.store.bump("submit.duplicate")
+            return await asyncio.shield(running)
+        if (
+            group.attempt != attempt
+            or group.state != PromptState.ISSUED
+            or (group.instance, group.session) != (cmd.instance, cmd.session)
+        ):
+            self._count_drop("stale_submit", n)
+            return Error(
+                "stale_group",
+                f"group {cmd.group_id} is not held by {cmd.instance}/{cmd.session} any more "
+                f"(prompt {prompt_id}: {group.state}, attempt {group.attempt}); not accepted",
+            )
+        problem = self._check_samples(cmd.samples)
+        if problem:
+            self.store.drop(prompt_id, attempt, "bad_samples", n)
+            return Error("bad_samples", f"group {cmd.group_id}: {problem}; prompt requeued")
+        # Scoring outlives a cancelled request (the server's timeout): its result is recorded
+        # either way, and a retried submit finds it pooled.
+        future = asyncio.ensure_future(self._score_and_pool(group, cmd.samples))
+        self._scoring[cmd.group_id] = future
+        future.add_done_callback(lambda _: self._scoring.pop(cmd.group_id, None))
+        return await asyncio.shield(future)
+
+    def _check_samples(self, samples: Any) -> str | None:  # noqa: ANN401 - decoded JSON
+        if not isinstance(samples, list) or len(samples) != self.config.group_size:
+            got = len(samples) if isinstance(samples, list) else type(samples).__name__
+            return f"expected {self.config.group_size} samples, got {got}"
+        for i, s in enumerate(samples):
+            if not isinstance(s, dict) or not isinstance(s.get("text"), str):
+                return f"sample {i} has no text"
+            versions = s.get("token_versions", [])
+            if not isinstance(versions, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in versions
+            ):
+                return f"sample {i}: token_versions must be a list of integers"
+        return None
+
+    def _count_drop(self, reason: str, samples: int) -> None:
+        self.store.bump(f"dropped_groups.{reason}")
+        self.store.bump(f"dropped_samples.{reason}", samples)
+
+    async def _score_and_pool(self, group: Group, samples: list[dict[str, Any]]) -> Reply:
+        prompt = self.task.prompt(group.prompt_id)
+        n = len(samples)
+        try:
+            rewards = await self.scorer.score_group(prompt, [s["text"] for s in samples])
+        except RewardFailedError as e:
+            state = self.store.drop(
+                group.prompt_id,
+                group.attempt,
+                e.reason,
+                n,
+                reward_failure=True,
+                max_reward_failures=self.config.max_reward_failures,
+            )
+            fate = "abandoned" if state == PromptState.ABANDONED else "queued again"
+            return Ok(f"dropped: {e.reason}: {e}; prompt {group.prompt_id} {fate}")
+        scored = [{**s, "reward": r} for s, r in zip(samples, rewards, strict=True)]
+        versions = [v for s in samples for v in s.get("token_versions", [])]
+        oldest = min(versions) if versions else group.weight_version
+        if oldest is None:
+            oldest = self.trainer_version
+        if not self.store.pool(group.prompt_id, group.attempt, scored, oldest):
+            # Requeued while it was being scored (its lease ran out): the new attempt will be
+            # pooled instead, so these samples are counted as dropped, not pooled twice.
+            self._count_drop("stale_submit", n)
+            return Error("stale_group", f"group {group.group_id} was requeued while scored")
+        self._pooled_at.append((self.monotonic(), n))
+        return Ok("pooled")
+
+    # -- trainer --------------------------------------------------------------------------
+
+    async def take_batch(self, cmd: TakeBatch) -> Reply:
+        cfg = self.config
+        if cmd.groups != cfg.groups_per_step:
+            return Error(
+                "bad_request",
+                f"the trainer asks for {cmd.groups} groups a step, the scheduler is configured "
+                f"for groups_per_step = {cfg.groups_per_step}",
+            )
+        if self.trainer_version is None or cmd.trainer_version > self.trainer_version:
+            self.trainer_version = cmd.trainer_version
+        result = self.store.ship(
+            cmd.step, cmd.groups, cmd.trainer_version, cfg.max_policy_lag_steps
+        )
+        if result.dropped_for_lag:
+            logger.info("step %d: %d pooled groups over the lag bound dropped", cmd.step,
+                        len(result.dropped_for_lag))  # fmt: skip
+        if not result.groups:
+            counts = self.store.state_counts()
+            return Batch(cmd.step, [], wait_s=cfg.wait_s,
+                         reason=f"{counts['pooled']} of {cmd.groups} groups pooled")  # fmt: skip
+        if any(g.state == PromptState.TRAINED for g in result.groups):
+            return Error(
+                "checkpointed",
+                f"step {cmd.step} is in a checkpoint already; its samples are not kept",
+            )
+        return Batch(cmd.step, [self._batch_item(g) for g in result.groups])
+
+    def _batch_item(self, g: Group) -> dict[str, Any]:
+        return {
+            "group_id": g.group_id,
+            "prompt_id": g.prompt_id,
+            "prompt": self.task.prompt(g.prompt_id),
+            "samples": g.samples or [],
+            "lag": g.lag,
+        }
+
+    async def step_done(self, cmd: StepDone) -> Reply:
+        if not self.store.step_done(cmd.step, cmd.version, dict(cmd.metrics)):
+            return Error("unknown_step", f"step {cmd.step} was never shipped")
+        if self.trainer_version is None or cmd.version > self.trainer_version:
+            self.trainer_version = cmd.version
+        return Ok()
+
+    async def checkpointed(self, cmd: Checkpointed) -> Reply:
+        n = self.store.checkpoint(cmd.step)
+        return Ok(f"{n} groups trained for good")
+
+    async def history(self, cmd: GetHistory) -> Reply:
+        return History(self.store.run_config(), self.store.history(cmd.last), self.counters())
+
+    # -- status ---------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        return {**self.store.counters(), "reward.stuck": self.scorer.stuck}
+
+    def throughput(self) -> float:
+        """Samples pooled per second over the last minute."""
+        now = self.monotonic()
+        while self._pooled_at and now - self._pooled_at[0][0] > THROUGHPUT_WINDOW_S:
+            self._pooled_at.popleft()
+        return sum(n for _, n in self._pooled_at) / THROUGHPUT_WINDOW_S
+
+    def status_fields(self) -> dict[str, Any]:
+        counts = self.store.state_counts()
+        now = self.monotonic()
+        return {
+            "cursor": self.store.cursor,
+            "dataset_size": self.config.dataset_size,
+            "pool": {
+                "pooled": counts["pooled"],
+                "issued": counts["issued"],
+                "capacity": self.config.pool_capacity,
+            },
+            "queue_depth": counts["queued"],
+            "groups": counts,
+            "trainer_version": self.trainer_version,
+            "checkpointed_step": self.store.meta("checkpointed"),
+            "on_lag_exceeded": self.config.on_lag_exceeded,
+            "max_policy_lag_steps": self.config.max_policy_lag_steps,
+            "throughput_samples_per_s": round(self.throughput(), 3),
+            "instances": {
+                i.name: {
+                    "session": i.session,
+                    "last_heartbeat_s_ago": round(now - i.last_seen, 3),
+                    "last_heartbeat": i.last_seen_wall,
+                    "weight_version": i.weight_version,
+                    "running_groups": i.running_groups,
+                    "queue_depth": i.queue_depth,
+                    "tokens_per_s": i.tokens_per_s,
+                }
+                for i in self.instances.values()
+            },
+            "counters": self.counters(),
+            "paused": self.paused,
+        }
+
+    async def close(self) -> None:
+        """Let running scorings finish recording (bounded by their own timeouts)."""
+        pending = list(self._scoring.values())
+        if pending:
+            with contextlib.suppress(Exception):
+                await asyncio.wait(pending, timeout=self.config.reward_timeout_s)

@@ -1,0 +1,652 @@
+"""The scheduler's durable state: the prompt cursor, every prompt's group, counters, run metadata.
+
+One sqlite file in WAL mode, the same engine and discipline as ``deltarl.refit.manifest_store``:
+every state change is one ``BEGIN IMMEDIATE`` transaction with ``synchronous=FULL``, so a crash
+at any point, ``kill -9`` included, leaves the file as it was before or after the change, never
+between. Readers in other processes (a test, an operator's sqlite3) may read while it writes.
+
+Exactly once, per prompt. Every prompt id below ``cursor`` has exactly one row in ``prompts``,
+and a row is never deleted, so no prompt is ever skipped; the row's state says where it is::
+
+    (cursor) ──issue──► issued ──pool──► pooled ──ship(step)──► shipped ──checkpoint──► trained
+                          │                │                       │
+                          │ requeue        │ drop (lag, reward)    │ replay: the same step
+                          ▼                ▼                       ▼ returns the same rows
+                        queued ◄───────────┘
+                          │ reissued (attempt + 1)      abandoned: reward failed too often
+
+A row holds one *attempt* at a time; its group id is ``"<prompt_id>.<attempt>"``. Requeueing or
+dropping bumps the attempt, so a late submission of an earlier attempt names a group that no
+longer exists and is refused (and counted): two attempts of one prompt can never both reach the
+pool. A shipped row keeps its step, and only ``checkpoint`` moves it on, so a trainer that
+restarts from its last checkpoint asks for the same steps again and gets the same groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from statistics import fmean, pstdev
+from types import TracebackType
+from typing import Any
+
+import orjson
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+class PromptState(StrEnum):
+    QUEUED = "queued"  # waiting to be (re)issued: requeued, dropped, or skipped by the policy
+    ISSUED = "issued"  # an instance holds it under a lease
+    POOLED = "pooled"  # completions scored, in the sample pool
+    SHIPPED = "shipped"  # in a batch for ``step``; final only once checkpointed
+    TRAINED = "trained"  # a checkpoint holds it: final
+    ABANDONED = "abandoned"  # its reward failed too often: final, counted, never silent
+
+
+_STATES = ", ".join(f"'{s}'" for s in PromptState)
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    f"""
+    CREATE TABLE IF NOT EXISTS prompts (
+        prompt_id       INTEGER PRIMARY KEY CHECK (prompt_id >= 0),
+        state           TEXT    NOT NULL CHECK (state IN ({_STATES})),
+        attempt         INTEGER NOT NULL,
+        reward_failures INTEGER NOT NULL DEFAULT 0,
+        instance        TEXT,     -- issued: who holds it
+        session         TEXT,
+        lease_deadline  REAL,     -- issued: seconds since the epoch (durable across restarts)
+        weight_version  INTEGER,  -- the instance's version when issued
+        issued_at       REAL,
+        pooled_at       REAL,
+        samples         TEXT,     -- pooled and later: the samples with their rewards (JSON)
+        min_version     INTEGER,  -- pooled and later: the oldest token version of the group
+        step            INTEGER,  -- shipped and later
+        lag             INTEGER,
+        note            TEXT,     -- why it was last queued or abandoned
+        CHECK ((state IN ('shipped', 'trained')) = (step IS NOT NULL))
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS prompts_by_state ON prompts (state, prompt_id)",
+    "CREATE INDEX IF NOT EXISTS prompts_by_step ON prompts (step)",
+    "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+    """
+    CREATE TABLE IF NOT EXISTS steps (
+        step            INTEGER PRIMARY KEY,
+        trainer_version INTEGER NOT NULL,  -- the version the trainer held when it took it
+        groups          INTEGER NOT NULL,
+        samples         INTEGER NOT NULL,
+        reward_mean     REAL, reward_std REAL, reward_min REAL, reward_max REAL,
+        lag_min         INTEGER, lag_mean REAL, lag_max INTEGER,
+        gen_s_mean      REAL,  -- issued -> pooled: generation and scoring
+        queue_s_mean    REAL,  -- pooled -> shipped: time in the pool
+        shipped_at      REAL NOT NULL,
+        done_at         REAL,
+        version         INTEGER,  -- published by the trainer after this step
+        metrics         TEXT,     -- StepDone.metrics (JSON)
+        checkpointed    INTEGER NOT NULL DEFAULT 0
+    )
+    """,
+    "CREATE TABLE IF NOT EXISTS runs (started_at REAL NOT NULL, config TEXT NOT NULL)",
+)
+
+
+class SchedulerStoreError(Exception):
+    """The store cannot do what was asked; the message says why."""
+
+
+def group_id(prompt_id: int, attempt: int) -> str:
+    return f"{prompt_id}.{attempt}"
+
+
+def parse_group_id(text: str) -> tuple[int, int] | None:
+    """(prompt_id, attempt) of a group id, or None if it is not one."""
+    head, dot, tail = text.partition(".")
+    if not dot or not head.isdigit() or not tail.isdigit():
+        return None
+    return int(head), int(tail)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One prompt's row, as read in one snapshot."""
+
+    prompt_id: int
+    state: PromptState
+    attempt: int
+    reward_failures: int
+    instance: str | None
+    session: str | None
+    lease_deadline: float | None
+    weight_version: int | None
+    issued_at: float | None
+    pooled_at: float | None
+    samples: list[dict[str, Any]] | None
+    min_version: int | None
+    step: int | None
+    lag: int | None
+    note: str | None
+
+    @property
+    def group_id(self) -> str:
+        return group_id(self.prompt_id, self.attempt)
+
+
+_COLUMNS = (
+    "prompt_id, state, attempt, reward_failures, instance, session, lease_deadline,"
+    " weight_version, issued_at, pooled_at, samples, min_version, step, lag, note"
+)
+
+
+def _group(row: tuple) -> Group:
+    values = list(row)
+    values[1] = PromptState(values[1])
+    values[10] = None if values[10] is None else orjson.loads(values[10])
+    return Group(*values)
+
+
+@dataclass(frozen=True)
+class ShipResult:
+    """What ``ship`` did: the step's groups (empty: not enough pooled), and the lag drops."""
+
+    groups: list[Group]
+    replayed: bool
+    dropped_for_lag: list[Group]
+
+
+def _stats(
+    values: Sequence[float],
+) -> tuple[float | None, float | None, float | None, float | None]:
+    if not values:
+        return None, None, None, None
+    return fmean(values), pstdev(values), min(values), max(values)
+
+
+class SchedulerStore:
+    """The scheduler's tables in one sqlite file; one writer process, any number of readers.
+
+    Every method is one snapshot or one transaction, safe from several threads (one connection
+    behind a lock). ``clock`` gives seconds since the epoch: leases outlive a restart, so they
+    are wall-clock deadlines, not monotonic ones.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        readonly: bool = False,
+        busy_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self.clock = clock
+        self._lock = threading.Lock()
+        if readonly:
+            if not self.path.exists():
+                raise FileNotFoundError(f"no scheduler store at {self.path}")
+            target, uri = f"{self.path.resolve().as_uri()}?mode=ro", True
+        else:
+            target, uri = str(self.path), False
+        conn = sqlite3.connect(
+            target, uri=uri, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        self._conn: sqlite3.Connection | None = conn
+        try:
+            self._open(conn)
+        except BaseException:
+            conn.close()
+            self._conn = None
+            raise
+
+    def _open(self, conn: sqlite3.Connection) -> None:
+        if self.readonly:
+            found = conn.execute("PRAGMA user_version").fetchone()[0]
+            if found != SCHEMA_VERSION:
+                raise SchedulerStoreError(f"{self.path}: not a scheduler store (schema {found})")
+            return
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode != "wal":
+            raise SchedulerStoreError(f"{self.path}: cannot use WAL mode (got {mode})")
+        # FULL: a committed transition survives power loss, not only a process crash.
+        conn.execute("PRAGMA synchronous=FULL")
+        self._create_schema()
+
+    def _create_schema(self) -> None:
+        with self._write() as conn:
+            found = conn.execute("PRAGMA user_version").fetchone()[0]
+            if found not in (0, SCHEMA_VERSION):
+                raise SchedulerStoreError(
+                    f"{self.path}: scheduler store schema {found}, this deltarl reads "
+                    f"{SCHEMA_VERSION}"
+                )
+            for statement in _SCHEMA:  # one at a time: executescript() would COMMIT first
+                conn.execute(statement)
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('cursor', '0')")
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> SchedulerStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise SchedulerStoreError(f"scheduler store {self.path} is closed")
+        return self._conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One atomic write transaction (see ManifestStore._write)."""
+        if self.readonly:
+            raise SchedulerStoreError(f"scheduler store {self.path} was opened read-only")
+        conn = self._db()
+        conn.execute("BEGIN IMMEDIATE")  # the write lock before the reads that decide
+        try:
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """One consistent snapshot over several SELECTs."""
+        with self._lock:
+            conn = self._db()
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("ROLLBACK")
+
+    # -- helpers inside a transaction ---------------------------------------------------------
+
+    @staticmethod
+    def _bump(conn: sqlite3.Connection, name: str, by: int = 1) -> None:
+        conn.execute(
+            "INSERT INTO counters VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET value = value + ?",
+            (name, by, by),
+        )
+
+    @staticmethod
+    def _get(conn: sqlite3.Connection, prompt_id: int) -> Group | None:
+        row = conn.execute(
+            f"SELECT {_COLUMNS} FROM prompts WHERE prompt_id = ?",  # noqa: S608 - constant columns
+            (prompt_id,),
+        ).fetchone()
+        return None if row is None else _group(row)
+
+    @staticmethod
+    def _requeue(conn: sqlite3.Connection, prompt_id: int, note: str) -> None:
+        """Back to the queue as a new attempt: the old group id stops being accepted."""
+        conn.execute(
+            "UPDATE prompts SET state = 'queued', attempt = attempt + 1, instance = NULL,"
+            " session = NULL, lease_deadline = NULL, weight_version = NULL, issued_at = NULL,"
+            " pooled_at = NULL, samples = NULL, min_version = NULL, note = ? WHERE prompt_id = ?",
+            (note, prompt_id),
+        )
+
+    # -- reads --------------------------------------------------------------------------------
+
+    @property
+    def cursor(self) -> int:
+        with self._read() as conn:
+            return int(conn.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()[0])
+
+    def meta(self, key: str) -> str | None:
+        with self._read() as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+            return None if row is None else str(row[0])
+
+    def group(self, prompt_id: int) -> Group | None:
+        with self._read() as conn:
+            return self._get(conn, prompt_id)
+
+    def groups(
+        self, state: PromptState | None = None, *, instance: str | None = None
+    ) -> list[Group]:
+        sql, args = f"SELECT {_COLUMNS} FROM prompts WHERE 1 = 1", []  # noqa: S608 - constant columns
+        if state is not None:
+            sql += " AND state = ?"
+            args.append(state.value)
+        if instance is not None:
+            sql += " AND instance = ?"
+            args.append(instance)
+        with self._read() as conn:
+            return [_group(r) for r in conn.execute(sql + " ORDER BY prompt_id", args)]
+
+    def queued(self, limit: int) -> list[int]:
+        """The oldest queued prompt ids (FIFO by prompt id)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT prompt_id FROM prompts WHERE state = 'queued' ORDER BY prompt_id LIMIT ?",
+                (limit,),
+            )
+            return [r[0] for r in rows]
+
+    def state_counts(self) -> dict[str, int]:
+        with self._read() as conn:
+            found = dict(conn.execute("SELECT state, COUNT(*) FROM prompts GROUP BY state"))
+        return {s.value: int(found.get(s.value, 0)) for s in PromptState}
+
+    def counters(self) -> dict[str, int]:
+        with self._read() as conn:
+            return dict(conn.execute("SELECT name, value FROM counters ORDER BY name"))
+
+    def history(self, last: int = 0) -> list[dict[str, Any]]:
+        """Per-step records, oldest first (only the last ``last`` if > 0)."""
+        with self._read() as conn:
+            cur = conn.execute("SELECT * FROM steps ORDER BY step")
+            names = [d[0] for d in cur.description]
+            rows = [dict(zip(names, r, strict=True)) for r in cur]
+        for row in rows:
+            row["metrics"] = orjson.loads(row["metrics"]) if row["metrics"] else {}
+            row["checkpointed"] = bool(row["checkpointed"])
+        return rows[-last:] if last > 0 else rows
+
+    def run_config(self) -> dict[str, Any]:
+        """The configuration of the latest start (``record_run``)."""
+        with self._read() as conn:
+            row = conn.execute("SELECT config FROM runs ORDER BY rowid DESC LIMIT 1").fetchone()
+        return {} if row is None else orjson.loads(row[0])
+
+    def starts(self) -> int:
+        with self._read() as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def record_run(self, config: dict[str, Any]) -> None:
+        """Record the configuration of this start (every restart adds one row)."""
+        with self._lock, self._write() as conn:
+            conn.execute("INSERT INTO runs VALUES (?, ?)", (self.clock(), orjson.dumps(config)))
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._lock, self._write() as conn:
+            conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def bump(self, name: str, by: int = 1) -> None:
+        """A counter that goes with no state change (lag throttles, duplicate submits...)."""
+        with self._lock, self._write() as conn:
+            self._bump(conn, name, by)
+
+    def issue(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        instance: str,
+        session: str,
+        weight_version: int | None,
+        lease_s: float,
+        dataset_size: int = 0,
+    ) -> list[Group]:
+        """Issue ``prompt_ids`` (queued ones, or fresh ones at or past the cursor) to an instance.
+
+        Fresh ids the policy passed over (between the cursor and the largest fresh id chosen)
+        get rows in state ``queued`` in the same transaction, so moving the cursor never skips
+        a prompt. An id that is neither queued nor fresh any more is left out of the result.
+        """
+        now = self.clock()
+        issued: list[Group] = []
+        with self._lock, self._write() as conn:
+            cursor = int(conn.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()[0])
+            chosen = set(prompt_ids)
+            fresh = sorted(p for p in chosen if p >= cursor)
+            if fresh and dataset_size and fresh[-1] >= dataset_size:
+                raise SchedulerStoreError(f"prompt {fresh[-1]} is past the dataset's end")
+            if fresh:
+                passed = "passed over by the dispatch policy"
+                conn.executemany(
+                    "INSERT INTO prompts (prompt_id, state, attempt, note)"
+                    " VALUES (?, 'queued', 0, ?)",
+                    [(p, None if p in chosen else passed) for p in range(cursor, fresh[-1] + 1)],
+                )
+                conn.execute(
+                    "UPDATE meta SET value = ? WHERE key = 'cursor'", (str(fresh[-1] + 1),)
+                )
+            for p in prompt_ids:
+                updated = conn.execute(
+                    "UPDATE prompts SET state = 'issued', instance = ?, session = ?,"
+                    " lease_deadline = ?, weight_version = ?, issued_at = ?, note = NULL"
+                    " WHERE prompt_id = ? AND state = 'queued'",
+                    (instance, session, now + lease_s, weight_version, now, p),
+                ).rowcount
+                if updated:
+                    group = self._get(conn, p)
+                    assert group is not None  # just updated
+                    issued.append(group)
+            if issued:
+                self._bump(conn, "issued_groups", len(issued))
+        return issued
+
+    def requeue_instance(
+        self, instance: str, reason: str, *, keep_session: str | None = None
+    ) -> int:
+        """Requeue every group ``instance`` holds (but those of ``keep_session``): it is gone,
+        or restarted. Counted as ``requeued.<reason>``."""
+        with self._lock, self._write() as conn:
+            rows = conn.execute(
+                "SELECT prompt_id FROM prompts WHERE state = 'issued' AND instance = ?"
+                " AND session IS NOT ?",
+                (instance, keep_session),
+            ).fetchall()
+            for (p,) in rows:
+                self._requeue(conn, p, reason)
+            if rows:
+                self._bump(conn, f"requeued.{reason}", len(rows))
+            return len(rows)
+
+    def requeue_expired(self) -> list[int]:
+        """Requeue issued groups whose lease ran out (no heartbeat kept it)."""
+        with self._lock, self._write() as conn:
+            rows = conn.execute(
+                "SELECT prompt_id FROM prompts WHERE state = 'issued' AND lease_deadline < ?",
+                (self.clock(),),
+            ).fetchall()
+            for (p,) in rows:
+                self._requeue(conn, p, "lease_expired")
+            if rows:
+                self._bump(conn, "requeued.lease_expired", len(rows))
+            return [p for (p,) in rows]
+
+    def pool(
+        self, prompt_id: int, attempt: int, samples: list[dict[str, Any]], min_version: int | None
+    ) -> bool:
+        """Issued -> pooled, with the scored samples. False if this attempt is not issued now
+        (requeued meanwhile): nothing is written, and the caller counts the drop."""
+        with self._lock, self._write() as conn:
+            updated = conn.execute(
+                "UPDATE prompts SET state = 'pooled', pooled_at = ?, samples = ?, min_version = ?,"
+                " lease_deadline = NULL WHERE prompt_id = ? AND attempt = ? AND state = 'issued'",
+                (self.clock(), orjson.dumps(samples), min_version, prompt_id, attempt),
+            ).rowcount
+            if updated:
+                self._bump(conn, "pooled_groups")
+                self._bump(conn, "pooled_samples", len(samples))
+            return bool(updated)
+
+    def drop(
+        self,
+        prompt_id: int,
+        attempt: int,
+        reason: str,
+        samples: int,
+        *,
+        reward_failure: bool = False,
+        max_reward_failures: int = 0,
+    ) -> PromptState | None:
+        """Drop this attempt's group (counted ``dropped_groups.<reason>`` and
+        ``dropped_samples.<reason>``); the prompt goes back to the queue, or, after
+        ``max_reward_failures`` reward failures (0: never), is abandoned (counted
+        ``abandoned_prompts``). None if the attempt is not live any more."""
+        with self._lock, self._write() as conn:
+            group = self._get(conn, prompt_id)
+            if (
+                group is None
+                or group.attempt != attempt
+                or group.state
+                not in (
+                    PromptState.ISSUED,
+                    PromptState.POOLED,
+                )
+            ):
+                return None
+            return self._drop(conn, group, reason, samples, reward_failure, max_reward_failures)
+
+    def _drop(
+        self,
+        conn: sqlite3.Connection,
+        group: Group,
+        reason: str,
+        samples: int,
+        reward_failure: bool,
+        max_reward_failures: int,
+    ) -> PromptState:
+        self._bump(conn, f"dropped_groups.{reason}")
+        self._bump(conn, f"dropped_samples.{reason}", samples)
+        self._requeue(conn, group.prompt_id, f"dropped: {reason}")
+        if not reward_failure:
+            return PromptState.QUEUED
+        failures = group.reward_failures + 1
+        state = PromptState.QUEUED
+        if max_reward_failures and failures >= max_reward_failures:
+            state = PromptState.ABANDONED
+            self._bump(conn, "abandoned_prompts")
+        conn.execute(
+            "UPDATE prompts SET reward_failures = ?, state = ? WHERE prompt_id = ?",
+            (failures, state.value, group.prompt_id),
+        )
+        return state
+
+    def shipped(self, step: int) -> list[Group]:
+        """The groups shipped to ``step`` (trained ones too), in the order they were shipped."""
+        with self._read() as conn:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM prompts WHERE step = ? ORDER BY pooled_at, prompt_id",  # noqa: S608 - constant columns
+                (step,),
+            )
+            return [_group(r) for r in rows]
+
+    def ship(self, step: int, groups: int, trainer_version: int, max_lag: int) -> ShipResult:
+        """The groups of ``step``: the same ones again if it was shipped (exact replay), else
+        the oldest ``groups`` pooled ones within the lag bound, all or none.
+
+        Lag = ``trainer_version`` - the group's oldest token version, measured now, so time in
+        the pool counts. A pooled group over ``max_lag`` can only get staler: it is dropped
+        (``dropped_groups.lag_exceeded``) and its prompt queued again, in this transaction,
+        whether or not the step can be filled.
+        """
+        now = self.clock()
+        with self._lock, self._write() as conn:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM prompts WHERE step = ? ORDER BY pooled_at, prompt_id",  # noqa: S608 - constant columns
+                (step,),
+            ).fetchall()
+            if rows:
+                return ShipResult([_group(r) for r in rows], True, [])
+            pooled = [
+                _group(r)
+                for r in conn.execute(
+                    f"SELECT {_COLUMNS} FROM prompts WHERE state = 'pooled'"  # noqa: S608 - constant columns
+                    " ORDER BY pooled_at, prompt_id"
+                )
+            ]
+            fresh: list[tuple[Group, int]] = []
+            stale: list[Group] = []
+            for g in pooled:
+                lag = trainer_version - (g.min_version if g.min_version is not None else 0)
+                if lag > max_lag:
+                    stale.append(g)
+                    n = len(g.samples or [])
+                    self._drop(conn, g, "lag_exceeded", n, reward_failure=False,
+                               max_reward_failures=0)  # fmt: skip
+                else:
+                    fresh.append((g, max(lag, 0)))
+            if len(fresh) < groups:
+                return ShipResult([], False, stale)
+            taken = fresh[:groups]
+            for g, lag in taken:
+                conn.execute(
+                    "UPDATE prompts SET state = 'shipped', step = ?, lag = ? WHERE prompt_id = ?",
+                    (step, lag, g.prompt_id),
+                )
+            rewards = [float(s["reward"]) for g, _ in taken for s in g.samples or []]
+            lags = [lag for _, lag in taken]
+            gen = [g.pooled_at - g.issued_at for g, _ in taken if g.pooled_at and g.issued_at]
+            queue = [now - g.pooled_at for g, _ in taken if g.pooled_at]
+            r_mean, r_std, r_min, r_max = _stats(rewards)
+            conn.execute(
+                "INSERT INTO steps (step, trainer_version, groups, samples, reward_mean,"
+                " reward_std, reward_min, reward_max, lag_min, lag_mean, lag_max, gen_s_mean,"
+                " queue_s_mean, shipped_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (step, trainer_version, len(taken), len(rewards), r_mean, r_std, r_min, r_max,
+                 min(lags), fmean(lags), max(lags), fmean(gen) if gen else None,
+                 fmean(queue) if queue else None, now),
+            )  # fmt: skip
+            self._bump(conn, "shipped_groups", len(taken))
+            self._bump(conn, "shipped_samples", len(rewards))
+            conn.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('trainer_version', ?)", (str(trainer_version),)
+            )
+            shipped = [_group(r) for r in conn.execute(
+                f"SELECT {_COLUMNS} FROM prompts WHERE step = ? ORDER BY pooled_at, prompt_id",  # noqa: S608 - constant columns
+                (step,),
+            )]  # fmt: skip
+            return ShipResult(shipped, False, stale)
+
+    def step_done(self, step: int, version: int, metrics: dict[str, Any]) -> bool:
+        """Record that ``step`` was trained and published as ``version`` (again, after a
+        replay: the latest record wins). False if ``step`` was never shipped."""
+        with self._lock, self._write() as conn:
+            updated = conn.execute(
+                "UPDATE steps SET done_at = ?, version = ?, metrics = ? WHERE step = ?",
+                (self.clock(), version, orjson.dumps(metrics), step),
+            ).rowcount
+            if updated:
+                current = conn.execute(
+                    "SELECT value FROM meta WHERE key = 'trainer_version'"
+                ).fetchone()
+                if current is None or int(current[0]) < version:
+                    conn.execute(
+                        "INSERT OR REPLACE INTO meta VALUES ('trainer_version', ?)", (str(version),)
+                    )
+            return bool(updated)
+
+    def checkpoint(self, step: int) -> int:
+        """Every group shipped to a step <= ``step`` is trained for good; returns how many."""
+        with self._lock, self._write() as conn:
+            n = conn.execute(
+                "UPDATE prompts SET state = 'trained', samples = NULL"
+                " WHERE state = 'shipped' AND step <= ?",
+                (step,),
+            ).rowcount
+            conn.execute("UPDATE steps SET checkpointed = 1 WHERE step <= ?", (step,))
+            current = conn.execute("SELECT value FROM meta WHERE key = 'checkpointed'").fetchone()
+            if current is None or int(current[0]) < step:
+                conn.execute("INSERT OR REPLACE INTO meta VALUES ('checkpointed', ?)", (str(step),))
+            self._bump(conn, "trained_groups", n)
+            return n
