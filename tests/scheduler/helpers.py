@@ -1,0 +1,82 @@
+"""Building a SchedulerService on a real store in a temporary directory, with a clock the test
+moves, and playing a rollout instance against it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
+from deltarl.scheduler.config import SchedulerConfig
+from deltarl.scheduler.service import SchedulerService
+from deltarl.scheduler.store import SchedulerStore
+
+
+class Clock:
+    """Wall and monotonic time in one: starts at a fixed epoch, moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def make_service(tmp: Path, **overrides: Any) -> tuple[SchedulerService, SchedulerStore, Clock]:
+    values: dict[str, Any] = {
+        "control": f"ipc://{tmp}/sched.sock",
+        "db": tmp / "sched.sqlite",
+        "group_size": 4,
+        "groups_per_step": 2,
+        "pool_capacity": 8,
+        "max_policy_lag_steps": 2,
+        "heartbeat_timeout_s": 10.0,
+        "lease_s": 100.0,
+        "reward_timeout_s": 2.0,
+        "reward_retries": 1,
+    }
+    values.update(overrides)
+    clock = Clock()
+    store = SchedulerStore(values["db"], clock=clock)
+    service = SchedulerService(SchedulerConfig(**values), store, monotonic=clock)
+    return service, store, clock
+
+
+def samples(item: dict[str, Any], n: int, version: int = 0, good: bool = True) -> list[Any]:
+    """``n`` completions of a Work item: all its letter (reward 1) or all ``z`` (reward 0)."""
+    letter = item["prompt"].removeprefix("Say a lot of ")[0] if good else "z"
+    text = letter * 8
+    return [
+        {
+            "prompt_token_ids": [1, 2, 3],
+            "token_ids": list(range(8)),
+            "logprobs": [-1.0] * 8,
+            "token_versions": [version] * 8,
+            "text": text,
+            "finish_reason": "length",
+        }
+        for _ in range(n)
+    ]
+
+
+async def work(
+    svc: SchedulerService, instance: str = "a", session: str = "s1", n: int = 2, version: int = 0
+) -> Work:
+    await svc.heartbeat(Heartbeat(instance, session, weight_version=version))
+    reply = await svc.get_work(GetWork(instance, session, max_groups=n, weight_version=version))
+    assert isinstance(reply, Work), reply
+    return reply
+
+
+async def submit_all(
+    svc: SchedulerService, w: Work, instance: str = "a", session: str = "s1", version: int = 0
+) -> list[Any]:
+    return [
+        await svc.submit_group(
+            SubmitGroup(instance, session, g["group_id"], samples(g, g["n"], version))
+        )
+        for g in w.groups
+    ]
