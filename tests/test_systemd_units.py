@@ -1,7 +1,9 @@
 """The units under systemd/: `systemd-analyze verify` accepts them, and each says what it must.
 
 verify wants ExecStart's binary to exist, so it checks copies whose ExecStart points at an
-executable stub; nothing else in the copies differs from the shipped files.
+executable stub; nothing else in the copies differs from the shipped files. The rollout
+daemon's unit is a template, which verify accepts only under an instance name: it is checked as
+the copy deltarl-rollout@0.service.
 """
 
 from __future__ import annotations
@@ -18,7 +20,19 @@ from deltarl import ctl
 from deltarl.engine.segment import segment_path
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
-SERVICES = {"export": "deltarl-export.service", "apply": "deltarl-apply.service"}
+SERVICES = {
+    "export": "deltarl-export.service",
+    "apply": "deltarl-apply.service",
+    "trainer": "deltarl-trainer.service",
+    "scheduler": "deltarl-scheduler.service",
+    "rollout": "deltarl-rollout@.service",
+}
+# The template's instance that verify checks (verify needs an instance name).
+INSTANCES = {"deltarl-rollout@.service": "deltarl-rollout@0.service"}
+# Arguments after --config: each rollout instance reads its own [daemons.rollout-N] table.
+EXTRA_ARGS = {"rollout": " --name rollout-%i"}
+# The RL daemons' tables in deltarl.toml.example are commented out (see that file).
+COMMENTED_TABLES = ("trainer", "scheduler", "rollout-0")
 TARGET = "deltarl.target"
 BINARY = "/usr/local/bin/deltarl"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -75,13 +89,18 @@ def test_service_has_every_required_directive(daemon: str) -> None:
         "WatchdogSec": "30",
         "Restart": "on-failure",
         "KillMode": "mixed",
-        "ExecStart": f"{BINARY} {daemon} --config /etc/deltarl/deltarl.toml",
+        "ExecStart": f"{BINARY} {daemon} --config /etc/deltarl/deltarl.toml"
+        + EXTRA_ARGS.get(daemon, ""),
         "EnvironmentFile": "-/etc/deltarl/deltarl.env",
         "User": "deltarl",
         "RuntimeDirectory": "deltarl",
         # Shared by every deltarl unit on the host: one unit stopping must not delete it.
         "RuntimeDirectoryPreserve": "yes",
         "StateDirectory": "deltarl",
+        "CacheDirectory": "deltarl",
+        # 78 is EX_CONFIG: restarting cannot fix a bad configuration.
+        "RestartPreventExitStatus": "78",
+        "Group": "deltarl",
         "NoNewPrivileges": "yes",
         "ProtectSystem": "strict",
         "ProtectHome": "yes",
@@ -103,6 +122,38 @@ def test_service_has_every_required_directive(daemon: str) -> None:
         assert not values(unit, "Service", forbidden), forbidden
 
 
+def ordering(unit: Unit, key: str) -> set[str]:
+    return {name for line in values(unit, "Unit", key) for name in line.split()}
+
+
+def test_rl_units_say_what_each_daemon_needs() -> None:
+    trainer = load(SERVICES["trainer"])
+    assert "deltarl-export.service" in ordering(trainer, "Before")
+    # SIGTERM makes the trainer write a checkpoint before it exits: room for it.
+    assert float(one(trainer, "Service", "TimeoutStopSec")) >= 120
+    rollout = load(SERVICES["rollout"])
+    assert "deltarl-apply.service" in ordering(rollout, "After")
+    assert float(one(rollout, "Service", "TimeoutStartSec")) >= 600  # model load
+    assert one(rollout, "Service", "LimitMEMLOCK") == "infinity"
+    caches = dict(
+        setting.split("=", 1)
+        for line in values(rollout, "Service", "Environment")
+        for setting in line.split()
+    )
+    for variable in ("VLLM_CACHE_ROOT", "HF_HOME", "XDG_CACHE_HOME"):
+        assert caches[variable].startswith("%C/deltarl"), variable  # the CacheDirectory
+
+
+def test_no_unit_orders_against_a_template() -> None:
+    # Before=/After= name units; a template (NAME@.service) is no unit any instance is, so
+    # ordering against it orders nothing. The rollout template orders itself instead.
+    for name in (*SERVICES.values(), TARGET):
+        unit = load(name)
+        for key in ("Before", "After", "Wants", "Requires"):
+            for other in ordering(unit, key):
+                assert "@." not in other, f"{name}: {key}={other}"
+
+
 def test_target_is_installed_in_multi_user() -> None:
     unit = load(TARGET)
     assert one(unit, "Install", "WantedBy") == "multi-user.target"
@@ -122,7 +173,7 @@ def stub_copies(tmp_path: Path) -> dict[str, Path]:
         text = (SYSTEMD / name).read_text()
         stubbed = text.replace(f"ExecStart={BINARY} ", f"ExecStart={stub} ")
         assert (stubbed != text) == name.endswith(".service")  # only ExecStart= changed
-        copies[name] = units / name
+        copies[name] = units / INSTANCES.get(name, name)
         copies[name].write_text(stubbed)
     return copies
 
@@ -173,7 +224,8 @@ def test_verify_check_catches_a_bad_unit(tmp_path: Path) -> None:
 def test_config_example_names_each_unit_daemon_and_its_stores() -> None:
     path = SYSTEMD / "deltarl.toml.example"
     config = tomllib.loads(path.read_text())
-    for daemon, name in SERVICES.items():
+    for daemon in ("trainer", "export", "apply"):
+        name = SERVICES[daemon]
         # `deltarl ctl export status` resolves through this very table.
         assert ctl.resolve_target(daemon, path) == f"ipc:///run/deltarl/{daemon}.sock"
         # The socket lives in the units' RuntimeDirectory.
@@ -184,6 +236,53 @@ def test_config_example_names_each_unit_daemon_and_its_stores() -> None:
     assert export["manifest_store"].startswith("/var/lib/deltarl/")  # the StateDirectory
     assert isinstance(export["full_resync_every"], int)
     assert export["full_resync_every"] > 0
+
+
+def commented_table(text: str, name: str) -> str:
+    """The commented-out ``[daemons.NAME]`` table of the example, uncommented: its header line
+    and the ``# key = value`` lines right after it."""
+    lines = text.splitlines()
+    start = lines.index(f"# [daemons.{name}]")
+    table = []
+    for line in lines[start:]:
+        if not re.match(r"# \S", line):
+            break
+        table.append(line[2:])
+    return "\n".join(table) + "\n"
+
+
+@pytest.mark.parametrize("name", COMMENTED_TABLES)
+def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) -> None:
+    text = (SYSTEMD / "deltarl.toml.example").read_text()
+    table = tomllib.loads(commented_table(text, name))["daemons"][name]
+    daemon = name.partition("-")[0]
+    expected = {
+        "trainer": {"control", "scheduler", "published_store", "model_dir", "checkpoint_dir",
+                    "checkpoint_every", "lr", "groups_per_step"},
+        "scheduler": {"control", "db", "group_size", "groups_per_step", "pool_capacity",
+                      "max_policy_lag_steps", "on_lag_exceeded"},
+        "rollout": {"control", "scheduler", "rollout_store", "model_dir", "apply_control"},
+    }[daemon]  # fmt: skip
+    assert set(table) == expected
+    assert f"deltarl {daemon} --help" in text  # where the keys are described
+    # Uncommented, `deltarl ctl NAME status` finds the socket in the units' RuntimeDirectory.
+    uncommented = tmp_path / "deltarl.toml"
+    uncommented.write_text(commented_table(text, name))
+    assert ctl.resolve_target(name, uncommented) == f"ipc:///run/deltarl/{name}.sock"
+    config = tomllib.loads(text)["daemons"]
+    scheduler = tomllib.loads(commented_table(text, "scheduler"))["daemons"]["scheduler"]
+    if "scheduler" in table:
+        assert table["scheduler"] == scheduler["control"]
+    if daemon == "trainer":
+        assert table["published_store"] == config["export"]["published_store"]
+        assert table["groups_per_step"] == scheduler["groups_per_step"]
+        assert table["checkpoint_dir"].startswith("/var/lib/deltarl/")  # the StateDirectory
+    if daemon == "scheduler":
+        assert table["db"].startswith("/var/lib/deltarl/")  # the StateDirectory
+    if daemon == "rollout":
+        assert table["rollout_store"] == config["apply"]["rollout_store"]
+        assert table["apply_control"] == config["apply"]["control"]
+        segment_path(table["rollout_store"], None)
 
 
 def test_config_example_loads_for_every_daemon() -> None:
