@@ -8,6 +8,9 @@ configuration (TOML, or JSON if the file ends in ``.json``), or an endpoint (``i
 Output is human-readable by default and exactly one JSON object on stdout with ``--json``
 (also on failure: ``{"ok": false, "error": {"code", "message"}, ...}``).
 
+``deltarl ctl scheduler history [--json]`` reads the scheduler's run metadata: a table of
+its steps (weight version, reward, samples, lag, timings), or the ``History`` reply as JSON.
+
 Exit codes: 0 done; 1 the daemon answered with an error; 2 usage or configuration error
 (including an unknown target name); 3 no reply in time (daemon down or wrong endpoint).
 """
@@ -15,6 +18,7 @@ Exit codes: 0 done; 1 the daemon answered with an error; 2 usage or configuratio
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import sys
@@ -25,12 +29,14 @@ from typing import Any
 
 import orjson
 
+from deltarl.rl.protocol import REPLIES as RL_REPLIES
+from deltarl.rl.protocol import GetHistory, History
 from deltarl.transport.control import (
     DEFAULT_TIMEOUT,
+    ControlClient,
     ControlProtocolError,
     ControlTimeoutError,
     check_endpoint,
-    request_sync,
 )
 from deltarl.transport.messages import (
     Command,
@@ -55,7 +61,9 @@ EXIT_UNREACHABLE = 3
 CONFIG_ENV = "DELTARL_CONFIG"
 DEFAULT_CONFIG = Path("/etc/deltarl/deltarl.toml")
 
-COMMAND_NAMES = ("status", "pause", "resume", "drain", "resync", "rollback", "shutdown")
+COMMAND_NAMES = (
+    "status", "pause", "resume", "drain", "resync", "rollback", "shutdown", "history"
+)  # fmt: skip
 
 
 class TargetError(ValueError):
@@ -135,8 +143,20 @@ def build_command(name: str, to_version: int | None) -> Command:
         "resync": Resync(),
         "rollback": Rollback(version=to_version),
         "shutdown": Shutdown(),
+        "history": GetHistory(),
     }
     return commands[name]
+
+
+def request(endpoint: str, command: Command, timeout: float = DEFAULT_TIMEOUT) -> Reply:
+    """One request from the CLI; replies decode with the RL table too (``History``), which
+    is a superset of the standard one."""
+
+    async def once() -> Reply:
+        async with ControlClient(endpoint, replies=RL_REPLIES) as client:
+            return await client.request(command, timeout)
+
+    return asyncio.run(once())
 
 
 def _flatten(fields: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -156,10 +176,43 @@ def format_status(status: Status) -> str:
     return "\n".join(f"{key + ':':<{width}} {value}" for key, value in rows)
 
 
+def _cell(value: Any, digits: int = 3) -> str:  # noqa: ANN401 - a JSON value
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_history(history: History) -> str:
+    """One line per step: version, reward (the feedback signal), samples, lag, timings."""
+    header = ("step", "trainer v", "version", "reward", "std", "samples", "lag", "max lag",
+              "gen s", "queue s", "step s", "ckpt")  # fmt: skip
+    rows = [header]
+    for s in history.steps:
+        metrics = s.get("metrics") or {}
+        step_s = metrics.get("step_s", metrics.get("seconds"))
+        rows.append((
+            _cell(s.get("step")), _cell(s.get("trainer_version")), _cell(s.get("version")),
+            _cell(s.get("reward_mean")), _cell(s.get("reward_std")), _cell(s.get("samples")),
+            _cell(s.get("lag_mean"), 2), _cell(s.get("lag_max")), _cell(s.get("gen_s_mean")),
+            _cell(s.get("queue_s_mean")), _cell(step_s), "yes" if s.get("checkpointed") else "no",
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    if not history.steps:
+        lines.append("(no steps yet)")
+    drops = {k: v for k, v in history.counters.items() if k.startswith("dropped_") and v}
+    lines.append("drops: " + (", ".join(f"{k}={v}" for k, v in sorted(drops.items())) or "none"))
+    return "\n".join(lines)
+
+
 def format_reply(target: str, command: Command, reply: Reply) -> str:
     """What a person reads for a reply that is not an error."""
     if isinstance(reply, Status):
         return format_status(reply)
+    if isinstance(reply, History):
+        return format_history(reply)
     if isinstance(reply, Ok):
         return f"{target}: {command.TAG}: ok" + (f" ({reply.detail})" if reply.detail else "")
     return f"{target}: {command.TAG}: {reply.TAG}: {orjson.dumps(reply).decode()}"
@@ -202,7 +255,7 @@ def main(argv: list[str]) -> int:
         return fail(e.code, str(e), EXIT_USAGE)
     report["endpoint"] = endpoint
     try:
-        reply = request_sync(endpoint, command, args.timeout)
+        reply = request(endpoint, command, args.timeout)
     except ControlTimeoutError as e:
         return fail("unreachable", str(e), EXIT_UNREACHABLE)
     except ControlProtocolError as e:
