@@ -18,7 +18,9 @@ Where the figures come from (each daemon's ``status``, and the scheduler's run h
   weights to verified and active in the rollout store) plus the engine's load seconds; median;
 - refit_bit_exact: every engine load's digest equalled the manifest's (checked inside the
   rollout daemon against what the apply agent verified), and there was at least one;
-- samples_trained, duplicate_samples, max_policy_lag: the scheduler's counters.
+- samples_trained, max_policy_lag: summed / maximal over the scheduler's per-step history;
+- duplicate_samples: samples of a prompt that the trainer reported training in two steps.
+``counters`` (every drop, requeue and lag action with its reason) is added to the object.
 """
 
 from __future__ import annotations
@@ -239,13 +241,26 @@ def _mean_reward(rows: list[dict[str, Any]]) -> float:
 def summarise(run: Run) -> dict[str, Any]:
     history = run.history()
     rows = sorted(history.steps, key=lambda r: int(r["step"])) if history else []
-    counters = history.counters if history else {}
+    counters = dict(history.counters) if history else {}
     rollout = run.status("rollout") or {}
     export = run.status("export") or {}
     refits: list[dict[str, Any]] = rollout.get("refits") or []
     export_s = {int(r["version"]): float(r["seconds"]) for r in export.get("recent") or []
                 if r.get("outcome") == "active"}  # fmt: skip
     totals = [export_s.get(int(r["version"]), 0.0) + float(r["seconds"]) for r in refits]
+    # Duplicates are counted from what the trainer says it trained (StepDone metrics: group id
+    # -> samples, one row per step; a step replayed after a trainer restart replaces its row),
+    # not from the scheduler's own bookkeeping, so this checks the scheduler rather than
+    # repeating it. A group id is "<prompt id>.<attempt>".
+    seen: set[str] = set()
+    duplicates = 0
+    for row in rows:
+        for group, samples in ((row.get("metrics") or {}).get("groups") or {}).items():
+            prompt = str(group).split(".")[0]
+            if prompt in seen:
+                duplicates += int(samples)
+            seen.add(prompt)
+    lags = [int(r["lag_max"]) for r in rows if r.get("lag_max") is not None]
     return {
         "steps": len(rows),
         "engine": str(rollout.get("engine") or "none"),
@@ -254,9 +269,10 @@ def summarise(run: Run) -> dict[str, Any]:
         "reward_last": _mean_reward(rows[-3:]),
         "refit_median_s": round(statistics.median(totals), 6) if totals else float("nan"),
         "refit_bit_exact": bool(refits) and all(r.get("verified") for r in refits),
-        "samples_trained": int(counters.get("samples_trained", 0)),
-        "duplicate_samples": int(counters.get("duplicate_samples", 0)),
-        "max_policy_lag": int(counters.get("max_policy_lag", 0)),
+        "samples_trained": sum(int(r.get("samples") or 0) for r in rows),
+        "duplicate_samples": duplicates,
+        "max_policy_lag": max(lags, default=0),
+        "counters": counters,
     }
 
 
