@@ -314,3 +314,35 @@ def test_missing_model_dir_exits_with_ex_config(tmp_path: Path) -> None:
     )
     assert proc.returncode == 78, proc.stderr.decode()[-2000:]
     assert b"holds no config.json" in proc.stderr
+
+
+async def run_sigterm(run: Path, model_dir: Path) -> SchedulerPeer:
+    config, log = write_config(run, model_dir, checkpoint_every=100), run / "trainer.log"
+    peer = SchedulerPeer(run, hold_from=4)
+    async with peer.server(f"ipc://{run}/scheduler.sock"):
+        proc = start(config, log)
+        try:
+
+            async def held() -> bool:
+                return peer.held.is_set()
+
+            await wait_for("step 4 to be asked", held, proc, log)
+            proc.terminate()
+            assert await asyncio.to_thread(proc.wait, 60) == 0, _tail(log)
+        finally:
+            proc.kill()
+            proc.wait()
+    return peer
+
+
+def test_sigterm_checkpoints_the_last_step(tmp_path: Path) -> None:
+    """A clean stop (systemd's SIGTERM) loses no training: the last step is checkpointed and
+    the scheduler told, though no checkpoint was due."""
+    model_dir = save_tiny_model(tmp_path / "model", seed=3)
+    peer = asyncio.run(run_sigterm(tmp_path / "run", model_dir))
+    try:
+        assert [d.step for d in peer.done] == [1, 2, 3]
+        assert peer.checkpointed == [3]
+        assert Checkpointer(tmp_path / "run" / "ckpt").steps() == [3]
+    finally:
+        peer.close()
