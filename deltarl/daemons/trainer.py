@@ -244,7 +244,9 @@ class RLTrainer:
         lags = [g["lag"] for g in groups if isinstance(g.get("lag"), int | float)]
         metrics: dict[str, Any] = {
             **asdict(stats),
-            "groups": len(groups),
+            # Which groups this step trained (id -> samples): lets the run record prove that no
+            # sample was trained in two steps, a replayed step replacing its own row.
+            "groups": {str(g.get("group_id")): len(g["samples"]) for g in groups},
             "step_s": t1 - t0,
             "publish_s": t2 - t1,
             "lag_max": max(lags) if lags else None,

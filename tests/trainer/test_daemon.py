@@ -40,6 +40,7 @@ from deltarl.transport.control import (
     ControlTimeoutError,
 )
 from deltarl.transport.messages import GetStatus, Ok, Pause, Resume, Shutdown, Status
+from tests.test_systemd_units import SYSTEMD, commented_table
 from tests.trainer.test_checkpoint import synthetic_groups
 from tests.trainer.tiny import save_tiny_model
 
@@ -251,6 +252,9 @@ def test_killed_trainer_resumes_bit_exactly(tmp_path: Path) -> None:
         assert b.checkpointed == [3, 3, 6, 7]
         assert [d.step for d in b.done] == [1, 2, 3, 4, 5, 4, 5, 6, 7]
         assert all(d.version == d.step for d in a.done + b.done)
+        for d in a.done:
+            assert d.metrics["groups"] == {f"s{d.step}g0": 4, f"s{d.step}g1": 4}
+            assert d.metrics["samples"] == 8
 
         # (a) bit-exact: every version B ever published (the replayed 4 and 5 twice, the
         # republished 3) is A's version of the same number, the final one included.
@@ -346,3 +350,11 @@ def test_sigterm_checkpoints_the_last_step(tmp_path: Path) -> None:
         assert Checkpointer(tmp_path / "run" / "ckpt").steps() == [3]
     finally:
         peer.close()
+
+
+def test_the_example_trainer_table_is_a_config_this_daemon_accepts(tmp_path: Path) -> None:
+    table = commented_table((SYSTEMD / "deltarl.toml.example").read_text(), "trainer")
+    (tmp_path / "t.toml").write_text(table)
+    cfg = load(RLTrainerConfig, "trainer", str(tmp_path / "t.toml"))
+    assert cfg.lr == 1e-6
+    assert cfg.checkpoint_dir == Path("/var/lib/deltarl/checkpoints")
