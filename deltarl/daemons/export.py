@@ -79,6 +79,7 @@ class ExportAgent:
         self.taken: int | None = None  # the last published version copied out
         self.sent = 0
         self.failed = 0
+        self.republished = 0  # older versions published again, not sent (_republished)
         self.last: dict[str, Any] | None = None
         # The last RECENT ``last`` records: `deltarl up` reads every refit's figures from here
         # even when versions come faster than it polls.
@@ -104,6 +105,9 @@ class ExportAgent:
                     self.state = "waiting for the apply agent"
                     await asyncio.sleep(cfg.poll_s)
                     continue
+                if self._republished(published, receiver):
+                    self.taken = published
+                    continue
                 self.taken_at = time.monotonic()  # before the copy-out (bench refit reads it)
                 with self.store.lease() as snap:
                     version, current = snap.version, self._copy_out(snap.buffer)
@@ -111,6 +115,37 @@ class ExportAgent:
                 await self._ship(sender, version, current, receiver)
                 if self.ref is not current:
                     self._spare = current  # not adopted as the reference: reuse its memory
+
+    def _republished(self, version: int, receiver: dict[str, Any]) -> bool:
+        """Whether ``version`` is an older version published again, which is not sent.
+
+        A trainer restarted from its checkpoint publishes the checkpoint's version again and
+        replays the steps after it (bit-exactly: tests/trainer). The receiver keeps the newer
+        version it holds; the trainer's next *newer* version goes as a delta against exactly
+        what the receiver holds, so it arrives bit-exact whatever the replay produced. Sending
+        the old version instead would roll every engine back for nothing.
+        """
+        if (
+            self.ref_version is None
+            or version > self.ref_version
+            or receiver.get("session") != self.ref_session
+            or receiver.get("active_version") != self.ref_version
+        ):
+            return False
+        self.republished += 1
+        detail = ""
+        if version == self.ref_version and self.store is not None and self.ref is not None:
+            with self.store.lease() as snap:
+                same = snap.version == version and np.array_equal(snap.buffer, self.ref)
+            if not same:
+                # The replay diverged (another torch build or thread count?): the receiver's
+                # version ``version`` is not the trainer's until the next version replaces it.
+                logger.error("version %d republished with other bytes than the receiver holds; "
+                             "the next version corrects it", version)  # fmt: skip
+                detail = " (bytes differ!)"
+        logger.info("version %d published again (trainer restart?): the receiver keeps %d%s",
+                    version, self.ref_version, detail)  # fmt: skip
+        return True
 
     def _copy_out(self, published: np.ndarray) -> np.ndarray:
         """The published bytes, copied into the spare buffer (allocated once, then reused).
@@ -300,6 +335,7 @@ class ExportAgent:
             "resync_pending": self.resync_pending,
             "sent": self.sent,
             "failed": self.failed,
+            "republished": self.republished,
             "last": self.last,
             "recent": list(self.recent),
             "detail": self.state,
