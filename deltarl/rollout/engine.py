@@ -1,0 +1,357 @@
+"""The rollout engine: vLLM in one process, stepped by the rollout daemon, refit between steps.
+
+``VllmEngine`` drives vLLM's ``LLMEngine`` one step at a time (``add_request`` / ``step``)
+instead of a blocking ``generate``: the rollout daemon updates the weights between two steps,
+and requests still running keep going under the new version (a partial rollout). Each
+generated token records the weight version current at the step that produced it, so the
+trainer can bound and correct for policy lag token by token. The KV cache of a request that
+crosses an update keeps the entries computed under the old weights: the usual approximation
+of asynchronous RL, which the per-token versions make visible.
+
+Prefix cache and versions: every request carries ``cache_salt = "deltarl-v{version}"``.
+vLLM mixes the salt into the hash of a prompt's first block, and every later block hash is
+chained on it, so a request under version v can only hit blocks computed under version v:
+the GRPO samples of one prompt share its cached prefix, and no request ever reads a prefix
+computed by older weights. Salting is chosen over ``reset_prefix_cache()`` because a reset
+fails while requests are running (it would have to preempt the partial rollouts), whereas
+salted-away blocks simply age out of the free queue like any other cached block.
+
+Single process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor): the engine
+core, the worker and its model live in the caller's process, so ``step`` needs no IPC and the
+worker extension maps the weight store itself. vLLM may still spawn helper processes on
+some platforms, so a program that starts an engine needs an ``if __name__ == "__main__"``
+guard. The engine is not thread-safe: one thread calls all of its methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from deltarl.rollout.worker_ext import QUALNAME
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+SALT_PREFIX = "deltarl-v"
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """What the rollout engine is built with; the vLLM knobs that matter here, and no others."""
+
+    model: Path
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    # Prefix caching caches whole blocks only, so small blocks let short RL prompts share
+    # their prefix too; vLLM 0.32's CPU attention needs a multiple of 32.
+    block_size: int = 32
+    # KV cache size, CPU and GPU alike (EngineArgs.kv_cache_memory_bytes); the tiny default
+    # model needs about 1 KiB per token, so 256 MiB holds a few hundred thousand tokens.
+    kv_cache_bytes: int = 256 * 2**20
+    dtype: str = "bfloat16"
+    seed: int = 0
+    # "processed_logprobs": log-probabilities after temperature and top-p, i.e. of the
+    # distribution the tokens were actually drawn from (the behaviour policy). With top_p=1
+    # this equals log_softmax(logits / temperature), what the trainer computes.
+    logprobs_mode: str = "processed_logprobs"
+    # No CUDA graphs or torch.compile: startup in seconds, and no captured graphs that would
+    # hold stale weight pointers (reload_weights copies into the same storage anyway).
+    enforce_eager: bool = True
+    # The weights in the model directory count as this version until the first update.
+    initial_version: int = 0
+    # Hand vLLM only the layers whose tensors changed since the last load.
+    only_changed: bool = True
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Further ``vllm.EngineArgs`` fields, passed through unchanged."""
+
+
+@dataclass
+class FinishedGroup:
+    """The ``n`` completions of one prompt; ``samples`` as described in deltarl.rl.protocol."""
+
+    group_id: str
+    samples: list[dict[str, Any]]
+    cached_tokens: list[int]
+    """Prompt tokens each sample took from the prefix cache (not part of the protocol)."""
+
+
+@dataclass
+class _Request:
+    group: str
+    index: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Group:
+    n: int
+    done: dict[int, _Request] = field(default_factory=dict)
+
+
+class VllmEngine:
+    """vLLM stepped one iteration at a time, with weight versions per token."""
+
+    engine_name = "vllm"
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self.version = config.initial_version
+        self._engine: LLMEngine | None = None
+        self._requests: dict[str, _Request] = {}
+        self._groups: dict[str, _Group] = {}
+        self._in_step = False
+        self._torch_threads: int | None = None
+        self.start_seconds: float | None = None
+
+    # ---- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build the vLLM engine and load the model (seconds for a tiny model on CPU)."""
+        if self._engine is not None:
+            raise RuntimeError("the vLLM engine is already started")
+        t0 = time.perf_counter()
+        # Read by vLLM when the engine is built: without it, the engine core runs in a child
+        # process, and step() would pay an IPC round trip and the worker would be remote.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import torch  # noqa: PLC0415
+        from vllm import EngineArgs  # noqa: PLC0415 - heavy; only processes that serve load it
+        from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415
+
+        # vLLM's CPU worker lowers torch's thread count for serving; close() gives the
+        # process its own setting back.
+        self._torch_threads = torch.get_num_threads()
+        cfg = self.config
+        args = EngineArgs(
+            model=str(cfg.model),
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            block_size=cfg.block_size,
+            enable_prefix_caching=True,
+            kv_cache_memory_bytes=cfg.kv_cache_bytes,
+            enforce_eager=cfg.enforce_eager,
+            distributed_executor_backend="uni",
+            worker_extension_cls=QUALNAME,
+            logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
+            **cfg.engine_args,
+        )
+        self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+        self._engine.set_weight_version(str(self.version))
+        self.start_seconds = time.perf_counter() - t0
+        logger.info("vLLM engine for %s started in %.1f s", cfg.model, self.start_seconds)
+
+    def close(self) -> None:
+        """Shut the engine down and free its model and KV cache; in-flight groups are lost."""
+        engine, self._engine = self._engine, None
+        self._requests.clear()
+        self._groups.clear()
+        if engine is None:
+            return
+        engine.engine_core.shutdown()
+        # The uni executor set up a one-rank torch.distributed group in this process; without
+        # tearing it down, a later engine in the same process fails to initialise its own.
+        from vllm.distributed.parallel_state import (  # noqa: PLC0415
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        if self._torch_threads is not None:
+            import torch  # noqa: PLC0415
+
+            torch.set_num_threads(self._torch_threads)
+
+    def __enter__(self) -> VllmEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- generation ---------------------------------------------------------------------
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of requests added now: one namespace per weight version."""
+        return f"{SALT_PREFIX}{self.version}"
+
+    @property
+    def running_groups(self) -> int:
+        return len(self._groups)
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def add_group(self, group_id: str, prompt: str, n: int, sampling: dict[str, Any]) -> None:
+        """Queue ``n`` samples of ``prompt``; they come back together from ``step``.
+
+        ``sampling``: ``temperature``, ``top_p``, ``max_tokens``, ``seed`` (sample i draws with
+        seed + i, so a group is reproducible and its samples differ).
+        """
+        from vllm import SamplingParams  # noqa: PLC0415
+        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+
+        engine = self._require()
+        if group_id in self._groups:
+            raise ValueError(f"group {group_id!r} is already running")
+        if n < 1:
+            raise ValueError(f"group {group_id!r}: n must be at least 1, got {n}")
+        unknown = set(sampling) - {"temperature", "top_p", "max_tokens", "seed"}
+        if unknown:
+            raise ValueError(f"group {group_id!r}: unknown sampling fields {sorted(unknown)}")
+        seed = sampling.get("seed")
+        # Tokenised once per group; the salt travels inside the rendered prompt.
+        (rendered,) = engine.renderer.render_cmpl(
+            [{"prompt": prompt, "cache_salt": self.cache_salt}]
+        )
+        self._groups[group_id] = _Group(n)
+        for i in range(n):
+            params = SamplingParams(
+                n=1,
+                temperature=float(sampling.get("temperature", 1.0)),
+                top_p=float(sampling.get("top_p", 1.0)),
+                max_tokens=int(sampling.get("max_tokens", 64)),
+                seed=None if seed is None else int(seed) + i,
+                logprobs=0,  # the sampled token's own log-probability, no alternatives
+                # Only the tokens new since the last step: each step's tokens get that
+                # step's version without diffing cumulative outputs.
+                output_kind=RequestOutputKind.DELTA,
+            )
+            # One request per sample rather than n>1: each sample is addressed by its own id
+            # and seed, and with the shared salt they still share the cached prompt.
+            request_id = f"{group_id}#{i}"
+            self._requests[request_id] = _Request(group_id, i)
+            engine.add_request(request_id, dict(rendered), params)
+
+    def step(self) -> list[FinishedGroup]:
+        """Run one engine iteration; the groups whose samples all finished in it."""
+        engine = self._require()
+        if self._in_step:
+            raise RuntimeError("VllmEngine.step is not reentrant")
+        self._in_step = True
+        try:
+            outputs = engine.step()
+            return self._collect(outputs)
+        finally:
+            self._in_step = False
+
+    def _collect(self, outputs: list[Any]) -> list[FinishedGroup]:
+        finished: list[FinishedGroup] = []
+        for out in outputs:
+            req = self._requests.get(out.request_id)
+            if req is None:  # not ours (a request aborted meanwhile)
+                continue
+            self._absorb(req, out)
+            if req.finish_reason is None:
+                continue
+            del self._requests[out.request_id]
+            group = self._groups[req.group]
+            group.done[req.index] = req
+            if len(group.done) == group.n:
+                del self._groups[req.group]
+                finished.append(_finish(req.group, group))
+        return finished
+
+    def _absorb(self, req: _Request, out: RequestOutput) -> None:
+        if not req.prompt_token_ids and out.prompt_token_ids:
+            req.prompt_token_ids = list(out.prompt_token_ids)
+            req.cached_tokens = int(out.num_cached_tokens or 0)
+        comp = out.outputs[0]
+        new = list(comp.token_ids)
+        if new:
+            if comp.logprobs is None or len(comp.logprobs) != len(new):
+                raise RuntimeError(
+                    f"request {out.request_id}: vLLM returned {len(new)} tokens but "
+                    f"{0 if comp.logprobs is None else len(comp.logprobs)} logprob entries"
+                )
+            req.token_ids += new
+            req.logprobs += [
+                float(pos[tok].logprob) for tok, pos in zip(new, comp.logprobs, strict=True)
+            ]
+            # Updates happen only between steps, so every token of this step's output was
+            # produced by the weights loaded now.
+            req.token_versions += [self.version] * len(new)
+        req.text.append(comp.text)
+        if out.finished:
+            req.finish_reason = str(comp.finish_reason or "stop")
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def update_weights(
+        self,
+        store_name: str,
+        root: Path | str | None = None,
+        version: int | None = None,
+        *,
+        only_changed: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load the weight store's active version (which must be ``version`` if given).
+
+        Only between steps. Requests in flight continue under the new weights; requests added
+        from now on use the new version's prefix-cache namespace. Returns the worker's report:
+        ``version``, ``digest`` (model digest of the tensors handed to vLLM, as the store's and
+        the manifest's), ``tensors`` handed over, ``total``, and timings.
+        """
+        engine = self._require()
+        if self._in_step:
+            raise RuntimeError("update_weights called inside a step: only between steps")
+        changed = self.config.only_changed if only_changed is None else only_changed
+        t0 = time.perf_counter()
+        reports = engine.collective_rpc(
+            "deltarl_load_version",
+            args=(store_name, None if root is None else str(root), version, changed),
+        )
+        digests = {r["digest"] for r in reports}
+        versions = {r["version"] for r in reports}
+        if len(digests) != 1 or len(versions) != 1:
+            # Tensor-parallel workers lease separately; the pointer moved between them.
+            raise RuntimeError(f"workers loaded different weights: {reports}")
+        report = dict(reports[0])
+        self.version = int(report["version"])
+        engine.set_weight_version(str(self.version))
+        report["rpc_seconds"] = time.perf_counter() - t0
+        logger.info(
+            "weights now at version %d (%d/%d tensors, %.3f s)",
+            self.version,
+            report["tensors"],
+            report["total"],
+            report["rpc_seconds"],
+        )
+        return report
+
+    def _require(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("the vLLM engine is not started (call start())")
+        return self._engine
+
+
+def _finish(group_id: str, group: _Group) -> FinishedGroup:
+    reqs = [group.done[i] for i in range(group.n)]
+    samples = [
+        {
+            "prompt_token_ids": r.prompt_token_ids,
+            "token_ids": r.token_ids,
+            "logprobs": r.logprobs,
+            "token_versions": r.token_versions,
+            "text": "".join(r.text),
+            "finish_reason": r.finish_reason or "stop",
+        }
+        for r in reqs
+    ]
+    return FinishedGroup(group_id, samples, [r.cached_tokens for r in reqs])

@@ -1,0 +1,263 @@
+"""The vLLM rollout engine on the tiny default model: generation, refit from a weight store,
+per-token versions, and prefix-cache namespaces per version.
+
+One engine serves the whole module (it takes seconds to start); every test that changes the
+weights commits its own, newer version to the module's store, so the tests hold in any order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/install.sh installs it)")
+
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from deltarl.codecs.checksum import model_digest, tensor_digests
+from deltarl.engine.layout import Layout
+from deltarl.engine.weight_store import WeightStore
+from deltarl.rl.tiny_model import ensure_default_model
+from deltarl.rollout.engine import FinishedGroup, VllmEngine, VllmEngineConfig
+from deltarl.rollout.worker_ext import layer_key, tensors_to_load
+
+SAMPLE_KEYS = {"prompt_token_ids", "token_ids", "logprobs", "token_versions", "text",
+               "finish_reason"}  # fmt: skip
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_default_model(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def store(
+    tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
+) -> Iterator[WeightStore]:
+    layout = Layout.pack((n, "bfloat16", t.shape) for n, t in base_weights.items())
+    root = tmp_path_factory.mktemp("shm")
+    with WeightStore.create(f"rollout-{secrets.token_hex(4)}", layout, root=root) as s:
+        commit(s, base_weights, 0)
+        yield s
+        s.unlink()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[VllmEngine]:
+    eng = VllmEngine(VllmEngineConfig(model=model_dir, max_model_len=512, seed=0))
+    eng.start()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def commit(store: WeightStore, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
+    """Write ``weights`` (bf16) as the next version of ``store``; returns that version."""
+    if version is None:
+        version = (store.active_version or 0) + 1
+    with store.begin_write() as txn:
+        for name, tensor in weights.items():
+            txn.array(name)[:] = tensor.contiguous().view(torch.uint16).numpy().reshape(-1)
+        txn.commit(version)
+    return version
+
+
+def run(engine: VllmEngine, prompt: str, n: int = 1, **sampling: float) -> FinishedGroup:
+    gid = f"g{next(_ids)}"
+    params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, "seed": 11, **sampling}
+    engine.add_group(gid, prompt, n, params)
+    done: list[FinishedGroup] = []
+    for _ in range(1000):
+        done += engine.step()
+        if not engine.has_work():
+            break
+    assert [g.group_id for g in done] == [gid]
+    return done[0]
+
+
+def hf_logprobs(weights: dict[str, torch.Tensor], model_dir: Path, sample: dict) -> torch.Tensor:
+    """Reference log-probabilities of a sample's tokens under ``weights`` (bf16 values, fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    ids = torch.tensor([sample["prompt_token_ids"] + sample["token_ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    start = len(sample["prompt_token_ids"]) - 1
+    return lp[start:, :].gather(1, ids[0, start + 1 :, None])[:, 0]
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: (w.float() + scale * torch.randn(w.shape, generator=gen)).to(torch.bfloat16)
+        for n, w in weights.items()
+    }
+
+
+def store_digest(store: WeightStore) -> str:
+    with store.lease() as snap:
+        return model_digest(tensor_digests(store.layout, snap.buffer))
+
+
+PROMPT = "def mean(values):\n    return sum(values) / len(values)\n"
+
+
+def test_group_samples_follow_the_protocol(
+    engine: VllmEngine, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    group = run(engine, PROMPT, n=4)
+    assert len(group.samples) == 4
+    for s in group.samples:
+        assert set(s) == SAMPLE_KEYS
+        assert s["prompt_token_ids"] == tokenizer(PROMPT)["input_ids"]
+        assert 0 < len(s["token_ids"]) <= 12
+        assert len(s["logprobs"]) == len(s["token_ids"]) == len(s["token_versions"])
+        assert all(math.isfinite(x) and x <= 0 for x in s["logprobs"])
+        assert s["token_versions"] == [engine.version] * len(s["token_ids"])
+        assert s["text"] == tokenizer.decode(s["token_ids"], skip_special_tokens=True)
+        assert s["finish_reason"] in {"stop", "length"}
+    # seeds seed+i: the samples differ, and the same group again is drawn identically
+    assert len({tuple(s["token_ids"]) for s in group.samples}) > 1
+    again = run(engine, PROMPT, n=4)
+    assert [s["token_ids"] for s in again.samples] == [s["token_ids"] for s in group.samples]
+
+
+def test_logprobs_are_the_sampled_tokens_under_the_served_weights(
+    engine: VllmEngine, store: WeightStore, base_weights: dict, model_dir: Path
+) -> None:
+    new = perturbed(base_weights, seed=1, scale=0.05)
+    version = commit(store, new)
+    report = engine.update_weights(store.name, store.path.parent, version)
+    sample = run(engine, PROMPT, max_tokens=8).samples[0]
+    got = torch.tensor(sample["logprobs"])
+    # bf16 inference against an fp32 reference of the same bf16 weights
+    assert torch.allclose(got, hf_logprobs(new, model_dir, sample), atol=0.05)
+    assert (got - hf_logprobs(base_weights, model_dir, sample)).abs().max() > 0.5
+    assert sample["token_versions"] == [version] * len(sample["token_ids"])
+    assert report["version"] == version == engine.version
+
+
+def test_update_is_bit_exact_with_the_store_and_changes_the_output(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    before = run(engine, PROMPT, temperature=0.0).samples[0]
+    version = commit(store, perturbed(base_weights, seed=2, scale=0.05))
+    report = engine.update_weights(store.name, store.path.parent, version)
+    # the worker hashed exactly the tensors it handed to vLLM; they equal the store's
+    assert report["digest"] == store_digest(store)
+    assert report["total"] == len(store.layout)
+    after = run(engine, PROMPT, temperature=0.0).samples[0]
+    assert after["token_ids"] != before["token_ids"]
+    assert after["token_versions"] == [version] * len(after["token_ids"])
+
+
+def test_only_changed_layers_are_handed_over_and_equal_a_full_load(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    weights = perturbed(base_weights, seed=3, scale=0.05)
+    engine.update_weights(store.name, store.path.parent, commit(store, weights))
+    before = run(engine, PROMPT, max_tokens=8).samples[0]
+
+    # one bias of the fused qkv layer: the whole layer (q, k, v weights and biases) goes over
+    name = "model.layers.1.self_attn.k_proj.bias"
+    weights[name] = torch.full_like(weights[name], 3.0)
+    partial = engine.update_weights(store.name, store.path.parent, commit(store, weights))
+    assert partial["tensors"] == 6
+    assert partial["digest"] == store_digest(store)
+    a = run(engine, PROMPT, max_tokens=8).samples[0]
+    assert a["logprobs"] != before["logprobs"]
+
+    unchanged = engine.update_weights(store.name, store.path.parent, partial["version"])
+    assert unchanged["tensors"] == 0
+
+    full = engine.update_weights(store.name, store.path.parent, only_changed=False)
+    assert full["tensors"] == full["total"]
+    assert full["digest"] == partial["digest"]
+    b = run(engine, PROMPT, max_tokens=8).samples[0]
+    assert (a["token_ids"], a["logprobs"]) == (b["token_ids"], b["logprobs"])
+
+
+def test_prefix_cache_is_shared_within_a_version_and_never_across(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    # unique text, longer than two 32-token blocks, so earlier tests cached none of it
+    prompt = f"# {secrets.token_hex(8)}\n" + PROMPT * 4
+    first = run(engine, prompt)
+    assert first.cached_tokens == [0]
+    cached = run(engine, prompt, n=4).cached_tokens
+    assert all(c >= 64 for c in cached), cached
+
+    version = commit(store, base_weights)  # even unchanged weights: a new version's namespace
+    engine.update_weights(store.name, store.path.parent, version)
+    assert engine.cache_salt == f"deltarl-v{version}"
+    assert run(engine, prompt).cached_tokens == [0]
+    assert run(engine, prompt).cached_tokens[0] >= 64
+
+
+def test_a_rollout_crossing_an_update_tags_each_token_with_its_version(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    old = engine.version
+    engine.add_group("crossing", PROMPT, 1, {"temperature": 1.0, "max_tokens": 24, "seed": 5})
+    done: list[FinishedGroup] = []
+    for _ in range(4):
+        done += engine.step()
+    assert not done
+    new = commit(store, perturbed(base_weights, seed=4, scale=0.05))
+    engine.update_weights(store.name, store.path.parent, new)
+    while engine.has_work():
+        done += engine.step()
+    versions = done[0].samples[0]["token_versions"]
+    k = versions.count(old)
+    assert 0 < k < len(versions) == 24
+    assert versions == [old] * k + [new] * (len(versions) - k)
+
+
+def test_update_refuses_a_version_the_store_does_not_hold(
+    engine: VllmEngine, store: WeightStore
+) -> None:
+    held = engine.version
+    wanted = (store.active_version or 0) + 5
+    with pytest.raises(ValueError, match=f"not the expected {wanted}"):
+        engine.update_weights(store.name, store.path.parent, wanted)
+    assert engine.version == held
+
+
+def test_tensors_are_grouped_by_the_vllm_layer_that_loads_them() -> None:
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert layer_key("model.layers.3.self_attn.v_proj.bias", packed) == (
+        "model.layers.3.self_attn.qkv_proj"
+    )
+    assert (
+        layer_key("model.layers.3.mlp.up_proj.weight", packed) == "model.layers.3.mlp.gate_up_proj"
+    )
+    assert (
+        layer_key("model.layers.3.mlp.down_proj.weight", packed) == "model.layers.3.mlp.down_proj"
+    )
+    assert layer_key("lm_head.weight", packed) == "lm_head"
+    names = ["a.q_proj.weight", "a.k_proj.weight", "a.o_proj.weight", "b.gate_proj.weight"]
+    old = dict.fromkeys(names, "0")
+    new = {**old, "a.k_proj.weight": "1"}
+    assert tensors_to_load(names, new, old, packed) == ["a.q_proj.weight", "a.k_proj.weight"]
+    assert tensors_to_load(names, old, old, packed) == []
+    # unknown previous state, or another tensor set: everything
+    assert tensors_to_load(names, new, None, packed) == names
+    assert tensors_to_load(names, new, {"x": "0"}, packed) == names
