@@ -112,15 +112,15 @@ class RolloutDaemon:
             heartbeat.cancel()
 
     def _make_engine(self) -> Any:  # noqa: ANN401 - VllmEngine, imported lazily (vLLM is heavy)
-        from deltarl.rl.tiny_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: PLC0415
+        from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415
         from deltarl.rollout.engine import VllmEngine, VllmEngineConfig  # noqa: PLC0415
 
-        model_dir = self.config.model_dir or ensure_default_model(DEFAULT_MODEL_DIR())
+        model_dir = self.config.model_dir or ensure_default_model()
         try:
-            engine_config = VllmEngineConfig(**self.config.engine)
+            engine_config = VllmEngineConfig(model=Path(model_dir), **self.config.engine)
         except TypeError as e:
             raise ConfigError(f"[daemons.{self.config.instance}].engine: {e}") from None
-        engine = VllmEngine(Path(model_dir), engine_config)
+        engine = VllmEngine(engine_config)
         engine.start()
         return engine
 
@@ -218,8 +218,10 @@ class RolloutDaemon:
         self.state = f"loading version {version}"
         root = None if self.config.store_root is None else str(self.config.store_root)
         t0 = time.monotonic()
+        # No expected version: the store may flip again before the worker's lease; whatever
+        # it leased is what gets loaded, checked and recorded.
         result = await asyncio.to_thread(
-            self.engine.update_weights, self.config.rollout_store, root, version
+            self.engine.update_weights, self.config.rollout_store, root, None
         )
         seconds = time.monotonic() - t0
         loaded = int(result["version"])  # the store may have flipped again: that one is loaded
