@@ -71,7 +71,9 @@ class Run:
         return self.directory / "deltarl.toml"
 
     def endpoint(self, daemon: str) -> str:
-        return f"ipc://{self.directory}/{daemon}.sock"
+        # In the short shared-memory directory, not the run directory: an ipc:// path must fit
+        # sockaddr_un (107 bytes), which a run directory under a long home may not.
+        return f"ipc://{self.shm}/{daemon}.sock"
 
     def log(self, daemon: str) -> Path:
         return self.directory / f"{daemon}.log"
