@@ -58,7 +58,8 @@ class RolloutConfig:
     """The apply agent's store: the weights this engine serves."""
     apply_control: str | None = None
     """The apply agent's control endpoint: its ``status`` reports each version's model digest,
-    which the engine's own digest must equal. None: the check is against the store's bytes."""
+    which the engine's own digest must equal. None: nothing to check against, so every load is
+    unverified and the daemon generates nothing (see ``_refit``)."""
     store_root: Path | None = None
     model_dir: Path | None = None
     """A Hugging Face model directory (config, tokenizer); None: the embedded default model."""
@@ -94,6 +95,7 @@ class RolloutDaemon:
         self.refits: list[dict[str, Any]] = []  # every engine update, in order
         self.verified = 0
         self.mismatches = 0
+        self.unverified: str | None = None  # why the engine's weights are not proven, if so
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
 
     # -- the loop -------------------------------------------------------------------------
@@ -131,7 +133,7 @@ class RolloutDaemon:
             await self._refit(active)
         waiting_for_sync = self.sync_to is not None and (self.engine_version or 0) < self.sync_to
         room = self.config.max_running_groups - len(self.in_flight)
-        if not self.paused and not waiting_for_sync and room > 0:
+        if not self.paused and not waiting_for_sync and self.unverified is None and room > 0:
             await self._get_work(room)
         if self.in_flight:
             self.state = f"generating ({len(self.in_flight)} groups)"
@@ -142,8 +144,12 @@ class RolloutDaemon:
             for group in finished:
                 await self._submit(group.group_id, group.samples)
             return
-        self.state = "paused" if self.paused else (
-            f"waiting for version {self.sync_to}" if waiting_for_sync else "idle")  # fmt: skip
+        if self.unverified is not None:
+            self.state = f"not generating, weights unverified ({self.unverified})"
+        elif self.paused:
+            self.state = "paused"
+        else:
+            self.state = f"waiting for version {self.sync_to}" if waiting_for_sync else "idle"
         await asyncio.sleep(self.config.idle_s)
 
     async def _get_work(self, room: int) -> None:
@@ -226,13 +232,34 @@ class RolloutDaemon:
         seconds = time.monotonic() - t0
         loaded = int(result["version"])  # the store may have flipped again: that one is loaded
         expected = await self._expected_digest(loaded)
+        if expected is not None and expected != result["digest"]:
+            # Once more, every tensor: a partial load builds on what the engine held before.
+            logger.error("version %d: the engine's digest %s is not the manifest's %s; "
+                         "loading every tensor again",
+                         loaded, result["digest"], expected)  # fmt: skip
+            result = await asyncio.to_thread(
+                self.engine.update_weights, self.config.rollout_store, root, None,
+                only_changed=False,
+            )  # fmt: skip
+            seconds = time.monotonic() - t0
+            if int(result["version"]) != loaded:  # the store flipped meanwhile
+                loaded = int(result["version"])
+                expected = await self._expected_digest(loaded)
         ok = expected is not None and expected == result["digest"]
         if ok:
             self.verified += 1
+            self.unverified = None
         else:
+            # Contract 1 inside the engine: no new work on weights that are not proven to be
+            # the trainer's. Groups in flight finish (their tokens carry this version); a later
+            # version that verifies lifts the hold.
             self.mismatches += 1
-            logger.error("version %d: the engine's digest %s is not the manifest's %s",
-                         loaded, result["digest"], expected)  # fmt: skip
+            self.unverified = (
+                f"version {loaded}: engine digest {result['digest']}, manifest {expected}"
+                if expected is not None
+                else f"version {loaded}: the apply agent reported no manifest digest"
+            )
+            logger.error("not generating: %s", self.unverified)
         self.engine_version = loaded
         self.refits.append({"version": loaded, "seconds": round(seconds, 6),
                             "verified": ok, "at": time.time()})  # fmt: skip
@@ -290,6 +317,7 @@ class RolloutDaemon:
             "refits": self.refits[-256:],
             "verified": self.verified,
             "mismatches": self.mismatches,
+            "unverified": self.unverified,
             "detail": self.state,
         }
         return Status("rollout", "paused" if self.paused else "running", fields)
