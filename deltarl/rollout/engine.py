@@ -25,9 +25,12 @@ guard. The engine is not thread-safe: one thread calls all of its methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +105,37 @@ class _Group:
     done: dict[int, _Request] = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def _llvmlite_hidden() -> Iterator[None]:
+    """Hide llvmlite's ``ffi.lib`` from every module while vLLM builds its engine.
+
+    vLLM 0.32's CPU worker rebinds its kernel overrides by scanning every attribute of every
+    loaded module and calling ``vars(value).get(...)`` on anything with a ``__dict__``.
+    llvmlite's ``lib`` answers *any* attribute, ``__dict__`` included, with a function wrapper,
+    so the scan crashes (``'_lib_fn_wrapper' object has no attribute 'get'``) in a process that
+    has loaded numba's compiler, as a process that also runs the codecs has. The attributes
+    are put back as soon as the engine exists; nothing calls into llvmlite meanwhile (numba
+    compiles only when a kernel is first called, and the codec kernels are compiled ahead).
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None) if ffi is not None else None
+    hidden: list[tuple[Any, str, Any]] = []
+    if isinstance(wrapper, type):
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                if isinstance(value, wrapper):
+                    hidden.append((module, attr, value))
+                    delattr(module, attr)
+    try:
+        yield
+    finally:
+        for module, attr, value in hidden:
+            setattr(module, attr, value)
+
+
 class VllmEngine:
     """vLLM stepped one iteration at a time, with weight versions per token."""
 
@@ -150,7 +184,8 @@ class VllmEngine:
             logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
             **cfg.engine_args,
         )
-        self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+        with _llvmlite_hidden():
+            self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
         self._engine.set_weight_version(str(self.version))
         self.start_seconds = time.perf_counter() - t0
         logger.info("vLLM engine for %s started in %.1f s", cfg.model, self.start_seconds)
