@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deltarl.codecs.checksum import model_digest, tensor_digests
 from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
 from deltarl.codecs.frame import KIND_FULL, NO_BASE, FrameError, FrameHeader
 from deltarl.codecs.manifest import ManifestError, RefitManifest
@@ -93,6 +94,21 @@ class ApplyAgent:
         self.digests: dict[int, str] = {}
         self._lock = asyncio.Lock()
         self.relay = Relay(config.relay)
+        self._digest_active()
+
+    def _digest_active(self) -> None:
+        """The active version's digest after a restart (the one applied before is forgotten).
+
+        Recomputed from the active buffer, which equals its manifest: it was verified against
+        it before the flip, and only this agent writes the store, never the active buffer.
+        Without it a rollout daemon restarted after this agent could not prove its engine
+        until the trainer's next version, which may never come while no samples flow.
+        """
+        if self.store.active_version is None:
+            return
+        with self.store.lease() as snap:
+            digest = model_digest(tensor_digests(self.store.layout, snap.buffer))
+            self.digests[snap.version] = digest
 
     async def run(self) -> None:
         self.relay.start()

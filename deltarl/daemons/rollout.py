@@ -26,7 +26,9 @@ import logging
 import secrets
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,14 @@ class RolloutDaemon:
         self.mismatches = 0
         self.unverified: str | None = None  # why the engine's weights are not proven, if so
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
+        # Every engine call (start, add, step, load, close) runs on this one thread, in order:
+        # vLLM is not thread-safe, and a step still running when the daemon is cancelled must
+        # end before close() tears the engine down.
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self.refit_errors = 0
+        self.failed_groups = 0
+        self._last_digest: str | None = None  # what the engine reported at its last load
+        self._recheck_at = 0.0
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -104,7 +114,7 @@ class RolloutDaemon:
         self.store = await self._open_store()
         version = await self._first_version()
         self.state = "starting the engine"
-        self.engine = await asyncio.to_thread(self._make_engine)
+        self.engine = await self._call(self._make_engine)
         await self._refit(version)
         heartbeat = asyncio.create_task(self._heartbeats(), name="rollout:heartbeat")
         try:
@@ -112,6 +122,11 @@ class RolloutDaemon:
                 await self._one_round()
         finally:
             heartbeat.cancel()
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        """``fn(*args, **kwargs)`` on the engine thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._engine_thread, partial(fn, *args, **kwargs))
 
     def _make_engine(self) -> Any:  # noqa: ANN401 - VllmEngine, imported lazily (vLLM is heavy)
         from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415
@@ -131,13 +146,15 @@ class RolloutDaemon:
         active = self.store.active_version
         if active is not None and active != self.engine_version:
             await self._refit(active)
+        elif self.unverified is not None and time.monotonic() >= self._recheck_at:
+            await self._recheck()
         waiting_for_sync = self.sync_to is not None and (self.engine_version or 0) < self.sync_to
         room = self.config.max_running_groups - len(self.in_flight)
         if not self.paused and not waiting_for_sync and self.unverified is None and room > 0:
             await self._get_work(room)
         if self.in_flight:
             self.state = f"generating ({len(self.in_flight)} groups)"
-            finished = await asyncio.to_thread(self.engine.step)
+            finished = await self._call(self.engine.step)
             tokens = sum(len(s["token_ids"]) for g in finished for s in g.samples)
             self.generated_tokens += tokens
             self._rate.append((time.monotonic(), tokens))
@@ -152,6 +169,22 @@ class RolloutDaemon:
             self.state = f"waiting for version {self.sync_to}" if waiting_for_sync else "idle"
         await asyncio.sleep(self.config.idle_s)
 
+    async def _recheck(self) -> None:
+        """Weights loaded but not proven (no digest yet, or the apply agent was down): ask
+        again, at most once a second, rather than wait for a newer version that may never
+        come while no samples flow."""
+        self._recheck_at = time.monotonic() + 1.0
+        if self.engine_version is None or self._last_digest is None:
+            return
+        expected = await self._expected_digest(self.engine_version, within_s=0.5)
+        if expected is not None and expected == self._last_digest:
+            logger.info("version %d verified late", self.engine_version)
+            self.verified += 1
+            self.mismatches -= 1  # it was counted unverified, not wrong
+            self.unverified = None
+            if self.refits and self.refits[-1]["version"] == self.engine_version:
+                self.refits[-1]["verified"] = True
+
     async def _get_work(self, room: int) -> None:
         reply = await self._ask(GetWork(self.config.instance, self.session, room,
                                         self.engine_version))  # fmt: skip
@@ -162,10 +195,15 @@ class RolloutDaemon:
             group_id = str(g["group_id"])
             if group_id in self.in_flight:
                 continue  # the scheduler re-issued a group we hold (our lease outlived it)
-            await asyncio.to_thread(
-                self.engine.add_group, group_id, str(g["prompt"]), int(g["n"]),
-                dict(g.get("sampling") or {}),
-            )  # fmt: skip
+            try:
+                await self._call(self.engine.add_group, group_id, str(g["prompt"]), int(g["n"]),
+                                 dict(g.get("sampling") or {}))  # fmt: skip
+            except Exception:
+                # Not added: the scheduler sees the group missing from our heartbeats (or its
+                # lease expire) and requeues it, counted; this daemon keeps serving the rest.
+                self.failed_groups += 1
+                logger.exception("group %s not generated", group_id)
+                continue
             self.in_flight[group_id] = time.monotonic()
         if not reply.groups and reply.wait_s > 0 and not self.in_flight:
             await asyncio.sleep(min(reply.wait_s, 1.0))
@@ -226,9 +264,19 @@ class RolloutDaemon:
         t0 = time.monotonic()
         # No expected version: the store may flip again before the worker's lease; whatever
         # it leased is what gets loaded, checked and recorded.
-        result = await asyncio.to_thread(
-            self.engine.update_weights, self.config.rollout_store, root, None
-        )
+        try:
+            result = await self._call(self.engine.update_weights, self.config.rollout_store,
+                                      root, None)  # fmt: skip
+        except Exception as e:
+            # What the engine holds is unknown now: generate nothing, and load again next
+            # round (engine_version None makes the loop retry).
+            self.refit_errors += 1
+            self.engine_version = None
+            self._last_digest = None
+            self.unverified = f"loading version {version} failed: {e}"
+            logger.exception("%s", self.unverified)
+            await asyncio.sleep(1.0)
+            return
         seconds = time.monotonic() - t0
         loaded = int(result["version"])  # the store may have flipped again: that one is loaded
         expected = await self._expected_digest(loaded)
@@ -237,10 +285,8 @@ class RolloutDaemon:
             logger.error("version %d: the engine's digest %s is not the manifest's %s; "
                          "loading every tensor again",
                          loaded, result["digest"], expected)  # fmt: skip
-            result = await asyncio.to_thread(
-                self.engine.update_weights, self.config.rollout_store, root, None,
-                only_changed=False,
-            )  # fmt: skip
+            result = await self._call(self.engine.update_weights, self.config.rollout_store,
+                                      root, None, only_changed=False)  # fmt: skip
             seconds = time.monotonic() - t0
             if int(result["version"]) != loaded:  # the store flipped meanwhile
                 loaded = int(result["version"])
@@ -261,26 +307,33 @@ class RolloutDaemon:
             )
             logger.error("not generating: %s", self.unverified)
         self.engine_version = loaded
-        self.refits.append({"version": loaded, "seconds": round(seconds, 6),
-                            "verified": ok, "at": time.time()})  # fmt: skip
+        self._last_digest = str(result["digest"])
+        self._recheck_at = time.monotonic() + 1.0
+        # "done": CLOCK_MONOTONIC, which every process on the host shares, so `deltarl up` can
+        # measure from the export agent's pick-up (its ``taken_at``) to here.
+        self.refits.append({"version": loaded, "seconds": round(seconds, 6), "verified": ok,
+                            "at": time.time(), "done": time.monotonic()})  # fmt: skip
         logger.info("engine at version %d (%.3f s, %s)", loaded, seconds,
                     "verified" if ok else "NOT VERIFIED")  # fmt: skip
 
-    async def _expected_digest(self, version: int) -> str | None:
-        """The manifest's model digest of ``version``, as the apply agent reports it."""
+    async def _expected_digest(self, version: int, within_s: float = 3.0) -> str | None:
+        """The manifest's model digest of ``version``, as the apply agent reports it; None if
+        it does not within ``within_s`` (the loop goes on and asks again later)."""
         if self.apply is None:
             return None
-        for _ in range(20):  # the apply agent reports a version right after its flip
+        deadline = time.monotonic() + within_s
+        while True:  # the apply agent reports a version right after its flip
             try:
-                reply = await self.apply.request(GetStatus(), REQUEST_TIMEOUT_S)
+                reply = await self.apply.request(GetStatus(), max(0.2, within_s / 3))
             except (ControlTimeoutError, ControlProtocolError):
                 reply = None
             if isinstance(reply, Status):
                 digest = (reply.fields.get("digests") or {}).get(str(version))
                 if digest is not None:
                     return str(digest)
+            if time.monotonic() >= deadline:
+                return None
             await asyncio.sleep(0.1)
-        return None
 
     # -- health ---------------------------------------------------------------------------
 
@@ -318,6 +371,8 @@ class RolloutDaemon:
             "verified": self.verified,
             "mismatches": self.mismatches,
             "unverified": self.unverified,
+            "refit_errors": self.refit_errors,
+            "failed_groups": self.failed_groups,
             "detail": self.state,
         }
         return Status("rollout", "paused" if self.paused else "running", fields)
@@ -339,7 +394,9 @@ class RolloutDaemon:
         if self.apply is not None:
             await self.apply.close()
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.close)
+            # Queued behind any step still running on the engine thread.
+            await self._call(self.engine.close)
+        self._engine_thread.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
 
