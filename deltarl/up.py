@@ -14,8 +14,8 @@ object:
 Where the figures come from (each daemon's ``status``, and the scheduler's run history):
 - reward_first / reward_last: mean reward of the first / last three steps (scheduler history);
 - versions_applied: every version the rollout engine loaded (rollout status ``refits``);
-- refit_median_s: per loaded version, the export agent's seconds (copy-out of the published
-  weights to verified and active in the rollout store) plus the engine's load seconds; median;
+- refit_median_s: per version the engine loaded, from the export agent taking it out of the
+  trainer's store to the engine holding it, verified; median;
 - refit_bit_exact: every engine load's digest equalled the manifest's (checked inside the
   rollout daemon against what the apply agent verified), and there was at least one;
 - samples_trained, max_policy_lag: summed / maximal over the scheduler's per-step history;
@@ -42,7 +42,7 @@ from typing import IO, Any
 import orjson
 
 from deltarl.rl.protocol import REPLIES, GetHistory, History
-from deltarl.transport.control import ControlTimeoutError, request_sync
+from deltarl.transport.control import ControlProtocolError, ControlTimeoutError, request_sync
 from deltarl.transport.messages import GetStatus, Status
 
 ORDER = ("scheduler", "trainer", "export", "apply", "rollout")
@@ -90,14 +90,14 @@ class Run:
     def status(self, daemon: str) -> dict[str, Any] | None:
         try:
             reply = request_sync(self.endpoint(daemon), GetStatus(), 2.0)
-        except ControlTimeoutError:
+        except (ControlTimeoutError, ControlProtocolError):
             return None
         return reply.fields if isinstance(reply, Status) else None
 
     def history(self) -> History | None:
         try:
             reply = request_sync(self.endpoint("scheduler"), GetHistory(), 5.0, replies=REPLIES)
-        except ControlTimeoutError:
+        except (ControlTimeoutError, ControlProtocolError):
             return None
         return reply if isinstance(reply, History) else None
 
@@ -115,21 +115,23 @@ class Run:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 60.0) -> dict[str, int | None]:
-        """SIGTERM every daemon (the rollout first: it stops asking for work), then wait; a
-        daemon still running after ``timeout`` is killed."""
-        for name in reversed(ORDER):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        """SIGTERM the rollout daemon and wait for it (it stops asking for work and submits
+        nothing half-done), then the others together; a daemon still running after
+        ``timeout`` is killed (its exit code is then None)."""
         deadline = time.monotonic() + timeout
         codes: dict[str, int | None] = {}
-        for name, p in self.procs.items():
-            try:
-                codes[name] = p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-                codes[name] = None
+        for wave in (("rollout",), tuple(d for d in reversed(ORDER) if d != "rollout")):
+            procs = {d: self.procs[d] for d in wave if d in self.procs}
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for name, p in procs.items():
+                try:
+                    codes[name] = p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+                    codes[name] = None
         return codes
 
 
@@ -253,16 +255,28 @@ def _mean_reward(rows: list[dict[str, Any]]) -> float:
     return round(statistics.fmean(values), 6) if values else float("nan")
 
 
+class SummaryError(RuntimeError):
+    """The run cannot be summarised honestly (a daemon did not answer)."""
+
+
 def summarise(run: Run) -> dict[str, Any]:
     history = run.history()
+    if history is None:
+        raise SummaryError("the scheduler did not return the run history")
+    if run.status("rollout") is None or run.status("export") is None:
+        raise SummaryError("the rollout daemon or the export agent did not answer status")
     rows = sorted(history.steps, key=lambda r: int(r["step"])) if history else []
     counters = dict(history.counters) if history else {}
     rollout = run.status("rollout") or {}
     export = run.status("export") or {}
     refits: list[dict[str, Any]] = rollout.get("refits") or []
-    export_s = {int(r["version"]): float(r["seconds"]) for r in export.get("recent") or []
-                if r.get("outcome") == "active"}  # fmt: skip
-    totals = [export_s.get(int(r["version"]), 0.0) + float(r["seconds"]) for r in refits]
+    # From the export agent taking a version out of the trainer's store to the engine holding
+    # it, verified (both CLOCK_MONOTONIC, shared by every process on the host). Versions the
+    # export agent no longer lists (it keeps its last 64) are left out, not counted as zero.
+    taken = {int(r["version"]): float(r["taken_at"]) for r in export.get("recent") or []
+             if r.get("outcome") == "active" and r.get("taken_at") is not None}  # fmt: skip
+    totals = [float(r["done"]) - taken[int(r["version"])] for r in refits
+              if int(r["version"]) in taken and r.get("done") is not None]  # fmt: skip
     # Duplicates are counted from what the trainer says it trained (StepDone metrics: group id
     # -> samples, one row per step; a step replayed after a trainer restart replaces its row),
     # not from the scheduler's own bookkeeping, so this checks the scheduler rather than
@@ -283,7 +297,9 @@ def summarise(run: Run) -> dict[str, Any]:
         "reward_first": _mean_reward(rows[:3]),
         "reward_last": _mean_reward(rows[-3:]),
         "refit_median_s": round(statistics.median(totals), 6) if totals else float("nan"),
-        "refit_bit_exact": bool(refits) and all(r.get("verified") for r in refits),
+        "refit_bit_exact": bool(refits)
+        and all(r.get("verified") for r in refits)
+        and rollout.get("mismatches") == 0,
         "samples_trained": sum(int(r.get("samples") or 0) for r in rows),
         "duplicate_samples": duplicates,
         "max_policy_lag": max(lags, default=0),
@@ -320,7 +336,7 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"  policy lag        at most {s['max_policy_lag']} steps (trainer version minus a "
         "sample's oldest token version)",
         f"  weight refits     {len(versions)} versions loaded into the engine ({shown})",
-        f"  refit time        median {s['refit_median_s']:.3f} s, trainer's publish to engine",
+        f"  refit time        median {s['refit_median_s']:.3f} s, export pick-up to engine",
         f"  bit-exact         {exact}",
         f"  not trained       {_not_trained(s.get('counters') or {})}",
         f"  logs and state    {run.directory}",
@@ -352,6 +368,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _recorded(run: Run, step: int) -> bool:
+    """Whether the scheduler has recorded step ``step`` as done (the trainer's StepDone)."""
+    history = run.history()
+    rows = [] if history is None else [r for r in history.steps if int(r["step"]) == step]
+    return bool(rows) and rows[0].get("done_at") is not None
+
+
 def prepare(args: argparse.Namespace) -> Run:
     """A fresh run directory and shared-memory directory, the model, and the configuration."""
     from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415 - transformers
@@ -381,7 +404,7 @@ def main(argv: list[str]) -> int:
               "(the rollout engine takes a while to start)", file=out, flush=True)  # fmt: skip
         progress = Progress(run, out)
         deadline = time.monotonic() + args.timeout
-        while progress.poll() < args.steps:
+        while progress.poll() < args.steps or not _recorded(run, args.steps):
             why = run.dead()
             if why is None and time.monotonic() > deadline:
                 why = f"not done after {args.timeout:.0f} s"
@@ -391,7 +414,11 @@ def main(argv: list[str]) -> int:
                     print(f"--- {run.log(d)}\n{run.tail(d)}", file=sys.stderr)
                 return 1
             time.sleep(0.5)
-        summary = summarise(run)
+        try:
+            summary = summarise(run)
+        except SummaryError as e:
+            print(f"deltarl up: {e}", file=sys.stderr)
+            return 1
         code = 0
     finally:
         codes = run.stop()

@@ -49,6 +49,7 @@ from deltarl.transport.messages import (
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 5.0
+MAX_REFITS = 4096
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class RolloutDaemon:
         self.generated_tokens = 0
         self.submitted_groups = 0
         self.refused_groups = 0
-        self.refits: list[dict[str, Any]] = []  # every engine update, in order
+        # Every engine update, in order (the last MAX_REFITS: a daemon runs for weeks).
+        self.refits: deque[dict[str, Any]] = deque(maxlen=MAX_REFITS)
         self.verified = 0
         self.mismatches = 0
         self.unverified: str | None = None  # why the engine's weights are not proven, if so
@@ -367,7 +369,7 @@ class RolloutDaemon:
             "submitted_groups": self.submitted_groups,
             "refused_groups": self.refused_groups,
             "sync_to": self.sync_to,
-            "refits": self.refits[-256:],
+            "refits": list(self.refits),
             "verified": self.verified,
             "mismatches": self.mismatches,
             "unverified": self.unverified,
