@@ -11,8 +11,7 @@ Example::
     on_lag_exceeded = "throttle"
 
     [daemons.scheduler.sampling]
-    temperature = 1.0
-    max_tokens = 16
+    max_tokens = 16     # temperature and top_p may only be 1.0 (see Sampling)
 """
 
 from __future__ import annotations
@@ -28,18 +27,33 @@ LagAction = Literal["throttle", "drop", "sync"]
 
 @dataclass(frozen=True)
 class Sampling:
-    """What every group is generated with (``Work.groups[i]["sampling"]``, plus a seed)."""
+    """What every group is generated with (``Work.groups[i]["sampling"]``, plus a seed).
+
+    ``temperature`` and ``top_p`` must be 1.0: anything else is refused (a configuration
+    error, so the daemon exits 78). The GRPO importance ratio divides the trainer's
+    log-probability of each token by the engine's, and the two must be of the same
+    distribution. The trainer computes the plain ``log_softmax`` of the logits
+    (``deltarl.trainer.grpo``), while vLLM records "processed" log-probabilities, after
+    temperature scaling and top-p truncation; with any other value the ratio would be off
+    by a per-token factor nobody sees, and training would silently go wrong.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 16
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
-            raise ValueError(
-                "sampling: temperature >= 0, 0 < top_p <= 1 and max_tokens >= 1 are required,"
-                f" got {self}"
-            )
+        for key in ("temperature", "top_p"):
+            value = getattr(self, key)
+            if value != 1.0:
+                raise ValueError(
+                    f"sampling: {key} must be 1.0, got {value}: the trainer computes plain "
+                    "log_softmax(logits) while the engine records log-probabilities after "
+                    "temperature and top-p, so any other value silently breaks the GRPO "
+                    "importance ratio"
+                )
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling: max_tokens >= 1 is required, got {self.max_tokens}")
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any]) -> Sampling:
@@ -92,7 +106,7 @@ class SchedulerConfig:
     max_reward_failures: int = 3
     """A prompt whose group's reward failed this often is abandoned (counted); 0: never."""
     sampling: Sampling | Mapping[str, Any] = field(default_factory=Sampling)
-    """``[daemons.scheduler.sampling]``: temperature, top_p, max_tokens."""
+    """``[daemons.scheduler.sampling]``: temperature, top_p (both 1.0 only), max_tokens."""
     dataset_size: int = 0
     """Prompts in the dataset; 0: infinite."""
     seed: int = 0

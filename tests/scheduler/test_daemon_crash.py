@@ -59,7 +59,7 @@ tick_s = 0.2
 seed = 7
 
 [daemons.scheduler.sampling]
-temperature = 0.9
+temperature = 1.0
 max_tokens = 8
 """)
     return path
