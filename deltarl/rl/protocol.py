@@ -9,7 +9,8 @@ A group's life in the scheduler (kept in its sqlite store, so a crash of any dae
 nothing and trains nothing twice):
 
     prompt cursor --GetWork--> ISSUED to an instance (a lease from issue; heartbeats: alive)
-        | lease ran out, instance missed its heartbeats, or its session changed -> back to the queue
+        | lease ran out, instance missed its heartbeats, its session changed, or its heartbeat
+        | reports it does not hold the group (Heartbeat.held) -> back to the queue
         v SubmitGroup (idempotent by group_id)
     reward scoring (timeout, retries) -> POOLED (capacity bound; full: GetWork waits)
         | TakeBatch(step): lag = trainer_version - oldest token version, checked here
@@ -45,6 +46,17 @@ class Heartbeat(Command):
 
     ``session`` is new at every start of the instance: a new session means the old one's
     in-flight groups are lost and are queued again.
+
+    ``held`` and ``reports_held``: with ``reports_held=True``, ``held`` is the complete list of
+    the group ids (``Work.groups[i]["group_id"]``) this instance and session hold now: every
+    group received in a ``Work`` reply whose ``SubmitGroup`` has not been answered yet (keep a
+    group listed while its submit is in flight or being retried). The scheduler then requeues
+    every group it issued to this instance and session that is not listed and was issued more
+    than ``not_held_grace_s`` ago (a Work reply still on its way is not raced), counted
+    ``requeued.not_held``: a Work reply the instance never got frees its pool slots within a
+    heartbeat instead of a lease. A later submit of such a group is refused as stale. An
+    instance that does not set ``reports_held`` (the default, and every older client) keeps the
+    old behaviour: ``held`` is ignored and only leases and missed heartbeats requeue.
     """
 
     TAG: ClassVar[str] = "rl.heartbeat"
@@ -54,6 +66,10 @@ class Heartbeat(Command):
     running_groups: int = 0
     queue_depth: int = 0
     tokens_per_s: float = 0.0
+    held: list[Any] = field(default_factory=list)
+    """Group ids this instance and session are generating or submitting (see above)."""
+    reports_held: bool = False
+    """``held`` is complete: groups issued to this session and missing from it are requeued."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +85,11 @@ class GetWork(Command):
 
 @dataclass(frozen=True)
 class SubmitGroup(Command):
-    """The completions of one issued group. Answered ``Ok`` (also for a duplicate) or
-    ``Error`` (unknown or expired lease: the group was requeued and is not accepted)."""
+    """The completions of one issued group. Answered ``Ok`` (pooled; also for a duplicate) or
+    ``Error`` (not accepted: ``stale_group``, the lease was lost and the group requeued;
+    ``bad_samples``; ``reward_timeout`` or ``reward_error``, it could not be scored; or
+    ``unknown_group``). A retried submit of a refused attempt gets the same Error again and
+    is counted once."""
 
     TAG: ClassVar[str] = "rl.submit_group"
     instance: str

@@ -97,6 +97,10 @@ class SchedulerConfig:
     """What keeps the lag in bound besides dropping stale groups at ship time (service docs)."""
     heartbeat_timeout_s: float = 15.0
     """An instance silent this long is removed and its groups are queued again."""
+    not_held_grace_s: float = 5.0
+    """A heartbeat that reports what its instance holds (``Heartbeat.reports_held``) requeues
+    the groups issued to that instance and session that it does not hold, if they were issued
+    more than this long ago (younger ones: their Work reply may still be on its way)."""
     lease_s: float = 300.0
     """An issued group not submitted this long after its issue is queued again (heartbeats
     do not renew it: see the service's docstring). Durable across scheduler restarts."""
@@ -104,7 +108,9 @@ class SchedulerConfig:
     reward_retries: int = 2
     reward_workers: int = 8
     max_reward_failures: int = 3
-    """A prompt whose group's reward failed this often is abandoned (counted); 0: never."""
+    """A prompt whose group failed this often is abandoned (counted ``abandoned_prompts``);
+    0: never. A failure: its reward could not be had (``reward_*``), or its samples were
+    malformed (``bad_samples``), so a prompt that can never be trained cannot stall the run."""
     sampling: Sampling | Mapping[str, Any] = field(default_factory=Sampling)
     """``[daemons.scheduler.sampling]``: temperature, top_p (both 1.0 only), max_tokens."""
     dataset_size: int = 0
@@ -131,7 +137,7 @@ class SchedulerConfig:
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
         for key in ("max_policy_lag_steps", "reward_retries", "max_reward_failures",
-                    "dataset_size"):  # fmt: skip
+                    "dataset_size", "not_held_grace_s"):  # fmt: skip
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must not be negative, got {getattr(self, key)}")
         if self.pool_capacity < self.groups_per_step:

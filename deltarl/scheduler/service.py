@@ -4,14 +4,19 @@ Two clocks take back issued work. Heartbeats keep an *instance*: one silent for
 ``heartbeat_timeout_s`` is removed and everything it holds is queued again, and a new session
 of an instance requeues what its old sessions held. A *group* has a lease of ``lease_s`` from
 its issue, which heartbeats do not renew: an instance that lost the ``Work`` reply (a timeout,
-a scheduler restart) keeps heartbeating but never submits those groups, and only a deadline of
-their own brings them back. Leases are wall-clock and durable, so they also requeue the work
-of an instance that died while the scheduler was down.
+a scheduler restart) keeps heartbeating but never submits those groups. An instance whose
+heartbeats report what it holds (``Heartbeat.reports_held`` and ``held``) gets such groups
+requeued at its next heartbeat once they are ``not_held_grace_s`` old (``requeued.not_held``;
+a group being scored is never taken back); for one that does not, only the lease brings them
+back. Leases are wall-clock and durable, so they also requeue the work of an instance that
+died while the scheduler was down.
 
 Every state change goes through ``SchedulerStore`` in one transaction before the reply is
 sent, so whatever the reply was, the store already holds it: a client that lost the reply and
-asks again gets the same answer (a duplicate submit is ``Ok``; the same step is the same
-batch). See the store's docstring for a prompt's life and why none is trained twice or skipped.
+asks again gets the same answer (a duplicate submit is ``Ok``; a retried submit of a refused
+attempt, dropped or stale, gets the recorded Error and is not counted again; the same step is
+the same batch). See the store's docstring for a prompt's life and why none is trained twice
+or skipped.
 
 The lag bound (``max_policy_lag_steps``, measured at ship time: trainer version minus the
 group's oldest token version, time in the pool included) is hard under every policy: a pooled
@@ -30,11 +35,14 @@ shipped. ``on_lag_exceeded`` says what the scheduler does *before* that, at ``Ge
 - ``drop``: no gate; generation runs ahead freely and whatever goes stale is dropped at ship
   time. Most throughput, most waste.
 
-Reward failures: a group is scored whole (GRPO normalises within the group). A sample whose
+Failed groups: a group is scored whole (GRPO normalises within the group). A sample whose
 reward still fails after the retries drops the whole group (``dropped_groups.reward_timeout``
-or ``.reward_error``, its samples in ``dropped_samples.*``) and queues the prompt again; after
-``max_reward_failures`` failed groups the prompt is abandoned (``abandoned_prompts``), so a
-prompt its reward can never score cannot stall the run, and is never lost silently either.
+or ``.reward_error``, its samples in ``dropped_samples.*``) and queues the prompt again; so
+does a group with a malformed sample (``bad_samples``: ``check_samples``, before scoring, so
+nothing the trainer cannot build a batch from is ever pooled). Either way the submit is
+answered with an Error of that reason. After ``max_reward_failures`` failed groups the prompt
+is abandoned (``abandoned_prompts``), so a prompt that can never be scored or sampled cleanly
+cannot stall the run, and is never lost silently either.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -75,6 +84,68 @@ from deltarl.transport.messages import Error, Ok, Reply
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 60.0
+
+
+def _ints(value: object, *, nonempty: bool = False, nonnegative: bool = False) -> bool:
+    return (
+        isinstance(value, list)
+        and (bool(value) or not nonempty)
+        and all(
+            isinstance(v, int) and not isinstance(v, bool) and (v >= 0 or not nonnegative)
+            for v in value
+        )
+    )
+
+
+def check_samples(samples: object, group_size: int) -> str | None:
+    """What is wrong with a submitted group's samples, or None.
+
+    Everything the trainer's batch builder (``deltarl.trainer.grpo.build_batch``) relies on is
+    checked here, before the group is pooled: a malformed group that got shipped would make the
+    trainer fail the same step on every replay. Each sample: ``text`` a string,
+    ``prompt_token_ids`` a non-empty list of token ids, ``token_ids`` a list of token ids,
+    ``logprobs`` finite numbers and ``token_versions`` integers, one of each per token.
+    """
+    if not isinstance(samples, list) or len(samples) != group_size:
+        got = len(samples) if isinstance(samples, list) else type(samples).__name__
+        return f"expected {group_size} samples, got {got}"
+    for i, s in enumerate(samples):
+        problem = _sample_problem(s)
+        if problem:
+            return f"sample {i}: {problem}"
+    return None
+
+
+def _sample_problem(s: object) -> str | None:
+    if not isinstance(s, dict):
+        return "not an object"
+    tokens, logprobs, versions = s.get("token_ids"), s.get("logprobs"), s.get("token_versions")
+    finite = isinstance(logprobs, list) and all(
+        isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+        for x in logprobs
+    )
+    problems = (
+        (not isinstance(s.get("text"), str), "no text"),
+        (
+            not _ints(s.get("prompt_token_ids"), nonempty=True, nonnegative=True),
+            "prompt_token_ids must be a non-empty list of token ids",
+        ),
+        (not _ints(tokens, nonnegative=True), "token_ids must be a list of token ids"),
+        (not finite, "logprobs must be a list of finite numbers"),
+        (not _ints(versions), "token_versions must be a list of integers"),
+    )
+    for bad, why in problems:
+        if bad:
+            return why
+    assert isinstance(tokens, list)  # checked above
+    assert isinstance(logprobs, list)
+    assert isinstance(versions, list)
+    if not len(tokens) == len(logprobs) == len(versions):
+        return (
+            f"{len(tokens)} token_ids, {len(logprobs)} logprobs and {len(versions)} "
+            f"token_versions; one of each per token is required"
+        )
+    return None
 
 
 @dataclass
@@ -173,7 +244,22 @@ class SchedulerService:
         inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
         inst.running_groups, inst.queue_depth = cmd.running_groups, cmd.queue_depth
         inst.tokens_per_s = cmd.tokens_per_s
+        if cmd.reports_held and isinstance(cmd.held, list):
+            self._requeue_not_held(cmd.instance, cmd.session, cmd.held)
         return Ok()
+
+    def _requeue_not_held(self, instance: str, session: str, held: list[Any]) -> None:
+        """Requeue what this session was issued, does not hold, and had time to receive.
+
+        A group being scored is held by the scheduler itself (its submit is answered only
+        after scoring), so it is never taken back here.
+        """
+        keep = {h for h in held if isinstance(h, str)} | set(self._scoring)
+        before = self.store.clock() - self.config.not_held_grace_s
+        lost = self.store.requeue_not_held(instance, session, keep, before)
+        if lost:
+            logger.warning("instance %s does not hold %d issued groups (Work reply lost?): "
+                           "prompts %s requeued", instance, len(lost), lost[:8])  # fmt: skip
 
     def _wait(self, reason: str, sync_to: int | None = None) -> Work:
         return Work([], wait_s=self.config.wait_s, reason=reason, sync_to=sync_to)
@@ -260,10 +346,27 @@ class SchedulerService:
 
     async def submit_group(self, cmd: SubmitGroup) -> Reply:
         self._see(cmd.instance, cmd.session)
+        running = self._scoring.get(cmd.group_id)
+        if running is not None:  # the same group again while it is being scored
+            self.store.bump("submit.duplicate")
+            return await asyncio.shield(running)
+        answer = self._answer_without_scoring(cmd)
+        if not isinstance(answer, Group):
+            return answer
+        # Scoring outlives a cancelled request (the server's timeout): its result is recorded
+        # either way, and a retried submit finds it pooled (or its recorded refusal).
+        future = asyncio.ensure_future(self._score_and_pool(answer, cmd.samples))
+        self._scoring[cmd.group_id] = future
+        future.add_done_callback(lambda _: self._scoring.pop(cmd.group_id, None))
+        return await asyncio.shield(future)
+
+    def _answer_without_scoring(self, cmd: SubmitGroup) -> Reply | Group:
+        """The reply to a submit that is not scored (unknown, duplicate, stale, bad samples),
+        or the issued group to score."""
         n = len(cmd.samples) if isinstance(cmd.samples, list) else 0
         ids = parse_group_id(cmd.group_id)
         group = None if ids is None else self.store.group(ids[0])
-        if ids is None or group is None:
+        if ids is None or group is None or ids[1] > group.attempt:
             self._count_drop("unknown_group", n)
             return Error("unknown_group", f"no group {cmd.group_id!r} was issued")
         prompt_id, attempt = ids
@@ -272,45 +375,46 @@ class SchedulerService:
         ):  # fmt: skip
             self.store.bump("submit.duplicate")
             return Ok(f"duplicate: group {cmd.group_id} is {group.state} already")
-        running = self._scoring.get(cmd.group_id)
-        if running is not None:  # the same group again while it is being scored
-            self.store.bump("submit.duplicate")
-            return await asyncio.shield(running)
-        if (
-            group.attempt != attempt
-            or group.state != PromptState.ISSUED
-            or (group.instance, group.session) != (cmd.instance, cmd.session)
-        ):
+        stale = (
+            f"group {cmd.group_id} is not held by {cmd.instance}/{cmd.session} any more "
+            f"(prompt {prompt_id}: {group.state}, attempt {group.attempt}); not accepted"
+        )
+        if group.attempt != attempt:
+            # A past attempt: dropped (a retry after a lost reply gets the recorded answer,
+            # counted once), or requeued before this submit came (counted now, once).
+            return self._refuse_stale(group, attempt, n, stale)
+        holder = (group.instance, group.session)
+        if group.state != PromptState.ISSUED or holder != (cmd.instance, cmd.session):
+            # The live attempt, held by someone else: not recorded, the holder may submit.
             self._count_drop("stale_submit", n)
-            return Error(
-                "stale_group",
-                f"group {cmd.group_id} is not held by {cmd.instance}/{cmd.session} any more "
-                f"(prompt {prompt_id}: {group.state}, attempt {group.attempt}); not accepted",
-            )
-        problem = self._check_samples(cmd.samples)
+            return Error("stale_group", stale)
+        problem = check_samples(cmd.samples, self.config.group_size)
         if problem:
-            self.store.drop(prompt_id, attempt, "bad_samples", n)
-            return Error("bad_samples", f"group {cmd.group_id}: {problem}; prompt requeued")
-        # Scoring outlives a cancelled request (the server's timeout): its result is recorded
-        # either way, and a retried submit finds it pooled.
-        future = asyncio.ensure_future(self._score_and_pool(group, cmd.samples))
-        self._scoring[cmd.group_id] = future
-        future.add_done_callback(lambda _: self._scoring.pop(cmd.group_id, None))
-        return await asyncio.shield(future)
+            return self._drop_failed(group, "bad_samples", n, f"group {cmd.group_id}: {problem}")
+        return group
 
-    def _check_samples(self, samples: Any) -> str | None:  # noqa: ANN401 - decoded JSON
-        if not isinstance(samples, list) or len(samples) != self.config.group_size:
-            got = len(samples) if isinstance(samples, list) else type(samples).__name__
-            return f"expected {self.config.group_size} samples, got {got}"
-        for i, s in enumerate(samples):
-            if not isinstance(s, dict) or not isinstance(s.get("text"), str):
-                return f"sample {i} has no text"
-            versions = s.get("token_versions", [])
-            if not isinstance(versions, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in versions
-            ):
-                return f"sample {i}: token_versions must be a list of integers"
-        return None
+    def _refuse_stale(self, group: Group, attempt: int, n: int, message: str) -> Error:
+        """Refuse a submission of a past attempt: the recorded answer if it was refused (or
+        dropped) before, else stale, counted and recorded, so retries count nothing."""
+        (code, text), first = self.store.refuse_stale(group.prompt_id, attempt, n,
+                                                      "stale_group", message)  # fmt: skip
+        if not first:
+            self.store.bump("submit.duplicate")
+        return Error(code, text)
+
+    def _drop_failed(self, group: Group, reason: str, n: int, problem: str) -> Reply:
+        """Drop a submitted group that failed (``bad_samples``, ``reward_*``): counted, its
+        prompt queued again or, at ``max_reward_failures``, abandoned; the Error is recorded
+        as the answer to any retry of this submission."""
+        abandon = self.config.max_reward_failures
+        fate = "abandoned" if abandon and group.reward_failures + 1 >= abandon else "queued again"
+        message = f"dropped: {reason}: {problem}; prompt {group.prompt_id} {fate}"
+        state = self.store.drop(group.prompt_id, group.attempt, reason, n, failure=True,
+                                max_failures=abandon, refusal=(reason, message))  # fmt: skip
+        if state is None:  # requeued meanwhile (while it was being scored)
+            stale = f"group {group.group_id} was requeued while it was scored; not accepted"
+            return self._refuse_stale(group, group.attempt, n, stale)
+        return Error(reason, message)
 
     def _count_drop(self, reason: str, samples: int) -> None:
         self.store.bump(f"dropped_groups.{reason}")
@@ -322,26 +426,17 @@ class SchedulerService:
         try:
             rewards = await self.scorer.score_group(prompt, [s["text"] for s in samples])
         except RewardFailedError as e:
-            state = self.store.drop(
-                group.prompt_id,
-                group.attempt,
-                e.reason,
-                n,
-                reward_failure=True,
-                max_reward_failures=self.config.max_reward_failures,
-            )
-            fate = "abandoned" if state == PromptState.ABANDONED else "queued again"
-            return Ok(f"dropped: {e.reason}: {e}; prompt {group.prompt_id} {fate}")
+            return self._drop_failed(group, e.reason, n, str(e))
         scored = [{**s, "reward": r} for s, r in zip(samples, rewards, strict=True)]
-        versions = [v for s in samples for v in s.get("token_versions", [])]
+        versions = [v for s in samples for v in s["token_versions"]]
         oldest = min(versions) if versions else group.weight_version
         if oldest is None:
             oldest = self.trainer_version
         if not self.store.pool(group.prompt_id, group.attempt, scored, oldest):
             # Requeued while it was being scored (its lease ran out): the new attempt will be
             # pooled instead, so these samples are counted as dropped, not pooled twice.
-            self._count_drop("stale_submit", n)
-            return Error("stale_group", f"group {group.group_id} was requeued while scored")
+            stale = f"group {group.group_id} was requeued while it was scored; not accepted"
+            return self._refuse_stale(group, group.attempt, n, stale)
         self._pooled_at.append((self.monotonic(), n))
         return Ok("pooled")
 

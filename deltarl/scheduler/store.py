@@ -13,12 +13,14 @@ and a row is never deleted, so no prompt is ever skipped; the row's state says w
                           │ requeue        │ drop (lag, reward)    │ replay: the same step
                           ▼                ▼                       ▼ returns the same rows
                         queued ◄───────────┘
-                          │ reissued (attempt + 1)      abandoned: reward failed too often
+                          │ reissued (attempt + 1)      abandoned: failed too often
 
 A row holds one *attempt* at a time; its group id is ``"<prompt_id>.<attempt>"``. Requeueing or
 dropping bumps the attempt, so a late submission of an earlier attempt names a group that no
 longer exists and is refused (and counted): two attempts of one prompt can never both reach the
-pool. A shipped row keeps its step, and only ``checkpoint`` moves it on, so a trainer that
+pool. A refused submission of an attempt (dropped while it was scored, or arriving after its
+requeue) is recorded in ``refusals``: a retry of it gets the same answer and is counted once.
+A shipped row keeps its step, and only ``checkpoint`` moves it on, so a trainer that
 restarts from its last checkpoint asks for the same steps again and gets the same groups.
 """
 
@@ -28,7 +30,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -50,7 +52,7 @@ class PromptState(StrEnum):
     POOLED = "pooled"  # completions scored, in the sample pool
     SHIPPED = "shipped"  # in a batch for ``step``; final only once checkpointed
     TRAINED = "trained"  # a checkpoint holds it: final
-    ABANDONED = "abandoned"  # its reward failed too often: final, counted, never silent
+    ABANDONED = "abandoned"  # its group failed too often: final, counted, never silent
 
 
 _STATES = ", ".join(f"'{s}'" for s in PromptState)
@@ -62,7 +64,7 @@ _SCHEMA = (
         prompt_id       INTEGER PRIMARY KEY CHECK (prompt_id >= 0),
         state           TEXT    NOT NULL CHECK (state IN ({_STATES})),
         attempt         INTEGER NOT NULL,
-        reward_failures INTEGER NOT NULL DEFAULT 0,
+        reward_failures INTEGER NOT NULL DEFAULT 0,  -- failed groups: reward or bad samples
         instance        TEXT,     -- issued: who holds it
         session         TEXT,
         lease_deadline  REAL,     -- issued: seconds since the epoch (durable across restarts)
@@ -98,6 +100,17 @@ _SCHEMA = (
     )
     """,
     "CREATE TABLE IF NOT EXISTS runs (started_at REAL NOT NULL, config TEXT NOT NULL)",
+    # Why an attempt's submission was refused (a drop or a stale submit), so a retried submit
+    # gets the same answer and is not counted again. New in a schema-1 file: created on open.
+    """
+    CREATE TABLE IF NOT EXISTS refusals (
+        prompt_id INTEGER NOT NULL,
+        attempt   INTEGER NOT NULL,
+        code      TEXT    NOT NULL,
+        message   TEXT    NOT NULL,
+        PRIMARY KEY (prompt_id, attempt)
+    )
+    """,
 )
 
 
@@ -460,6 +473,25 @@ class SchedulerStore:
                 self._bump(conn, f"requeued.{reason}", len(rows))
             return len(rows)
 
+    def requeue_not_held(
+        self, instance: str, session: str, held: Collection[str], issued_before: float
+    ) -> list[int]:
+        """Requeue the groups issued to ``instance`` in ``session`` before ``issued_before``
+        (wall clock) whose group ids are not in ``held``: the instance reported it does not
+        hold them (its Work reply was lost). Counted as ``requeued.not_held``."""
+        with self._lock, self._write() as conn:
+            rows = conn.execute(
+                "SELECT prompt_id, attempt FROM prompts WHERE state = 'issued' AND instance = ?"
+                " AND session = ? AND issued_at < ?",
+                (instance, session, issued_before),
+            ).fetchall()
+            lost = [p for p, a in rows if group_id(p, a) not in held]
+            for p in lost:
+                self._requeue(conn, p, "not_held")
+            if lost:
+                self._bump(conn, "requeued.not_held", len(lost))
+            return lost
+
     def requeue_expired(self) -> list[int]:
         """Requeue issued groups whose lease ran out (no heartbeat kept it)."""
         with self._lock, self._write() as conn:
@@ -496,13 +528,16 @@ class SchedulerStore:
         reason: str,
         samples: int,
         *,
-        reward_failure: bool = False,
-        max_reward_failures: int = 0,
+        failure: bool = False,
+        max_failures: int = 0,
+        refusal: tuple[str, str] | None = None,
     ) -> PromptState | None:
         """Drop this attempt's group (counted ``dropped_groups.<reason>`` and
-        ``dropped_samples.<reason>``); the prompt goes back to the queue, or, after
-        ``max_reward_failures`` reward failures (0: never), is abandoned (counted
-        ``abandoned_prompts``). None if the attempt is not live any more."""
+        ``dropped_samples.<reason>``); the prompt goes back to the queue, or, if this was a
+        ``failure`` (reward or bad samples) and the prompt's ``max_failures``-th (0: never), is
+        abandoned (counted ``abandoned_prompts``). ``refusal`` (code, message): the answer to
+        the submission, recorded for its retries (``refusal``). None if the attempt is not live
+        any more: nothing is written."""
         with self._lock, self._write() as conn:
             group = self._get(conn, prompt_id)
             if (
@@ -515,7 +550,43 @@ class SchedulerStore:
                 )
             ):
                 return None
-            return self._drop(conn, group, reason, samples, reward_failure, max_reward_failures)
+            state = self._drop(conn, group, reason, samples, failure, max_failures)
+            if refusal is not None:
+                conn.execute(
+                    "INSERT OR IGNORE INTO refusals VALUES (?, ?, ?, ?)",
+                    (prompt_id, attempt, *refusal),
+                )
+            return state
+
+    def refusal(self, prompt_id: int, attempt: int) -> tuple[str, str] | None:
+        """The recorded answer (code, message) to a refused submission of this attempt."""
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT code, message FROM refusals WHERE prompt_id = ? AND attempt = ?",
+                (prompt_id, attempt),
+            ).fetchone()
+            return None if row is None else (str(row[0]), str(row[1]))
+
+    def refuse_stale(
+        self, prompt_id: int, attempt: int, samples: int, code: str, message: str
+    ) -> tuple[tuple[str, str], bool]:
+        """Refuse a submission of an attempt that is not live any more: the first time it is
+        counted (``dropped_groups.stale_submit``, ``dropped_samples.stale_submit``) and its
+        answer recorded; a retry gets the recorded answer and counts nothing. Returns the
+        answer and whether this was the first time."""
+        with self._lock, self._write() as conn:
+            row = conn.execute(
+                "SELECT code, message FROM refusals WHERE prompt_id = ? AND attempt = ?",
+                (prompt_id, attempt),
+            ).fetchone()
+            if row is not None:
+                return (str(row[0]), str(row[1])), False
+            self._bump(conn, "dropped_groups.stale_submit")
+            self._bump(conn, "dropped_samples.stale_submit", samples)
+            conn.execute(
+                "INSERT INTO refusals VALUES (?, ?, ?, ?)", (prompt_id, attempt, code, message)
+            )
+            return (code, message), True
 
     def _drop(
         self,
@@ -523,17 +594,17 @@ class SchedulerStore:
         group: Group,
         reason: str,
         samples: int,
-        reward_failure: bool,
-        max_reward_failures: int,
+        failure: bool,
+        max_failures: int,
     ) -> PromptState:
         self._bump(conn, f"dropped_groups.{reason}")
         self._bump(conn, f"dropped_samples.{reason}", samples)
         self._requeue(conn, group.prompt_id, f"dropped: {reason}")
-        if not reward_failure:
+        if not failure:
             return PromptState.QUEUED
-        failures = group.reward_failures + 1
+        failures = group.reward_failures + 1  # the column counts every failure, not only reward
         state = PromptState.QUEUED
-        if max_reward_failures and failures >= max_reward_failures:
+        if max_failures and failures >= max_failures:
             state = PromptState.ABANDONED
             self._bump(conn, "abandoned_prompts")
         conn.execute(
@@ -582,8 +653,7 @@ class SchedulerStore:
                 if lag > max_lag:
                     stale.append(g)
                     n = len(g.samples or [])
-                    self._drop(conn, g, "lag_exceeded", n, reward_failure=False,
-                               max_reward_failures=0)  # fmt: skip
+                    self._drop(conn, g, "lag_exceeded", n, failure=False, max_failures=0)
                 else:
                     fresh.append((g, max(lag, 0)))
             if len(fresh) < groups:

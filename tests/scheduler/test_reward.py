@@ -12,7 +12,7 @@ from deltarl.rl.protocol import SubmitGroup
 from deltarl.rl.task import RepeatLetter, make_task
 from deltarl.scheduler.reward import RewardFailedError, RewardScorer
 from deltarl.scheduler.store import PromptState
-from deltarl.transport.messages import Ok
+from deltarl.transport.messages import Error
 from tests.scheduler.helpers import make_service, samples, work
 
 
@@ -95,8 +95,8 @@ def test_a_group_whose_reward_fails_is_dropped_requeued_then_abandoned(tmp_path)
             (g,) = w.groups
             assert g["group_id"] == f"0.{attempt}"
             reply = await svc.submit_group(SubmitGroup("a", "s1", g["group_id"], samples(g, 4)))
-            assert isinstance(reply, Ok)
-            assert "reward_error" in reply.detail
+            assert isinstance(reply, Error)
+            assert reply.code == "reward_error"
         c = store.counters()
         assert c["dropped_groups.reward_error"] == 2
         assert c["dropped_samples.reward_error"] == 8
@@ -119,7 +119,8 @@ def test_a_slow_reward_times_out_through_the_service(tmp_path):
         w = await work(svc, n=1)
         (g,) = w.groups
         reply = await svc.submit_group(SubmitGroup("a", "s1", g["group_id"], samples(g, 4)))
-        assert "reward_timeout" in reply.detail
+        assert isinstance(reply, Error)
+        assert reply.code == "reward_timeout"
         assert store.counters()["dropped_groups.reward_timeout"] == 1
         assert store.group(0).state == PromptState.QUEUED
 
