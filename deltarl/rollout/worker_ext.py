@@ -19,9 +19,11 @@ weights and biases) along. The grouping comes from the model's ``packed_modules_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,14 +84,41 @@ class DeltaWorkerExtension:
         expected_version: int | None = None,
         only_changed: bool = True,
     ) -> dict[str, Any]:
-        """Load the store's active version into the model; its version, digest and costs.
+        """Load the store's active version into the model, verify it; its version and digest.
 
         ``expected_version``: refuse (ValueError) if the active version is another one, e.g.
         because the pointer moved on or rolled back since the caller looked. ``only_changed``:
         hand vLLM only the layers whose tensors changed since the last load (False: all).
-        Returns ``version``, ``digest`` (model digest over all the version's tensors, equal to
-        the store's and the manifest's when bit-exact), ``tensors`` (how many were handed
-        over), ``total`` (in the version), and timings in seconds.
+
+        What is proven, and how (any failure raises WeightVerificationError, and the worker
+        then counts its weights as unknown, so the next load hands over everything):
+
+        * Consumed bytes: every tensor handed over is hashed (xxh3-128) inside the weights
+          iterator at the moment vLLM's loader pulls it, i.e. the bytes the loader received,
+          from the lease that keeps them frozen until the load ends. If the loader did not
+          pull every tensor handed over (stopped early, a layer not reached), the load fails.
+        * Loader coverage: where the model's ``load_weights`` reports what it loaded (vLLM
+          parameter names), every parameter of the handed-over layers must be among them,
+          so a name the loader received but skipped fails the load.
+        * Read-back: after the load and vLLM's post-load processing, every model parameter
+          that keeps the checkpoint's name, shape and dtype (embeddings, norms, an untied
+          lm_head: on CPU 11 of the tiny model's 45 tensors) is read back from the engine's
+          model and compared bit for bit with the store's tensor, whether or not it was
+          handed over this time.
+        * ``digest``: the model digest (``codecs.checksum.model_digest``, layout order) of the
+          consumed digests, plus the remembered digests of the layers not handed over (which
+          were consumed by an earlier load). Equal to the manifest's when bit-exact.
+
+        Not proven: fused or repacked parameters (q/k/v and gate/up fused, linear weights
+        repacked into a kernel format and emptied on CPU, biases widened to float32) cannot be
+        read back in the checkpoint format; for them, the consumed bytes are what is proven,
+        not the kernel-format tensors vLLM derived from them. Likewise a kernel's private
+        copy of a read-back parameter (the CPU lm_head GEMM keeps a packed copy) is derived
+        from the parameter by vLLM, not compared.
+
+        Returns ``version``, ``digest``, ``tensors`` (how many were handed over and consumed),
+        ``total`` (in the version), ``readback_tensors`` (how many were read back and equal),
+        and timings in seconds.
         """
         t0 = time.perf_counter()
         root = None if store_root is None else Path(store_root)
@@ -103,24 +132,49 @@ class DeltaWorkerExtension:
                     f"expected {expected_version}: it moved on or rolled back meanwhile"
                 )
             names = [spec.name for spec in snap.layout.tensors]
-            # Hash the leased bytes: the very memory handed to vLLM below, and frozen by the
-            # lease until it is released after the load.
-            digests = {name: tensor_digest(snap.array(i)) for i, name in enumerate(names)}
-            t_hash = time.perf_counter()
             previous = self._deltarl_digests if only_changed else None
-            chosen = tensors_to_load(names, digests, previous, self._deltarl_packed())
-            self._deltarl_digests = None  # unknown until the load below completes
+            packed = self._deltarl_packed()
+            if previous is None or set(previous) != set(names):
+                chosen = list(names)  # everything: no need to hash ahead to choose
+            else:
+                # What changed, from the leased bytes; the reported digest comes from the
+                # bytes consumed below, not from these.
+                ahead = {name: tensor_digest(snap.array(name)) for name in names}
+                chosen = tensors_to_load(names, ahead, previous, packed)
+            t_hash = time.perf_counter()
+            self._deltarl_digests = None  # unknown until the load below is verified
+            consumed: dict[str, str] = {}
             if chosen:
-                self.reload_weights(weights_iterator=_iter_tensors(snap, chosen))  # type: ignore[attr-defined]
+                model = self.model_runner.get_model()  # type: ignore[attr-defined]
+                with _loaded_names(model) as loaded:
+                    self.reload_weights(  # type: ignore[attr-defined]
+                        weights_iterator=_iter_hashed(snap, chosen, consumed)
+                    )
+                missing = [n for n in chosen if n not in consumed]
+                if missing:
+                    raise WeightVerificationError(
+                        f"vLLM's loader did not take {len(missing)} of the {len(chosen)} "
+                        f"tensors handed over for version {snap.version}, e.g. {missing[:3]}"
+                    )
+                skipped = _skipped_params(model, chosen, packed, loaded)
+                if skipped:
+                    raise WeightVerificationError(
+                        f"vLLM's loader took but did not load {len(skipped)} parameters of "
+                        f"version {snap.version}'s layers, e.g. {skipped[:3]}"
+                    )
+            t_load = time.perf_counter()
+            digests = {name: consumed.get(name) or (previous or {})[name] for name in names}
+            readback = self._deltarl_readback(snap)
             self._deltarl_digests = digests
             self._deltarl_version = snap.version
             version = snap.version
         t_end = time.perf_counter()
         logger.info(
-            "loaded weight version %d: %d of %d tensors in %.3f s",
+            "loaded weight version %d: %d of %d tensors, %d read back, in %.3f s",
             version,
             len(chosen),
             len(names),
+            readback,
             t_end - t0,
         )
         return {
@@ -128,10 +182,35 @@ class DeltaWorkerExtension:
             "digest": model_digest(digests[n] for n in names),
             "tensors": len(chosen),
             "total": len(names),
+            "readback_tensors": readback,
             "seconds": t_end - t0,
             "hash_seconds": t_hash - t0,
-            "load_seconds": t_end - t_hash,
+            "load_seconds": t_load - t_hash,
+            "readback_seconds": t_end - t_load,
         }
+
+    def _deltarl_readback(self, snap: Snapshot) -> int:
+        """Compare every parameter stored 1:1 (name, shape, dtype) with the store, bitwise."""
+        import torch  # noqa: PLC0415 - in the worker's process, torch is loaded anyway
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        params = dict(model.named_parameters())
+        compared = 0
+        for spec in snap.layout.tensors:
+            param = params.get(spec.name)
+            want = snap.tensor(spec.name)
+            if param is None or param.shape != want.shape or param.dtype != want.dtype:
+                continue  # fused, repacked, widened or renamed: not readable as loaded
+            have = param.detach().contiguous().reshape(-1).view(torch.uint8)
+            ref = want.reshape(-1).view(torch.uint8).to(have.device)
+            if not torch.equal(have, ref):
+                differ = int((have != ref).sum())
+                raise WeightVerificationError(
+                    f"engine parameter {spec.name} differs from version {snap.version} in "
+                    f"the store ({differ} of {have.numel()} bytes) after the load"
+                )
+            compared += 1
+        return compared
 
     def deltarl_status(self) -> dict[str, Any]:
         """The version this worker last loaded from a store (None: still the model's files)."""
@@ -143,8 +222,63 @@ class DeltaWorkerExtension:
         return {str(k): [str(p) for p in v] for k, v in dict(packed).items()}
 
 
-def _iter_tensors(snap: Snapshot, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    # Zero-copy views into the leased buffer; vLLM's weight loaders copy them into the
-    # model's storage, and never write into a loaded tensor.
+class WeightVerificationError(RuntimeError):
+    """The engine's weights after a load are not provably the store's version."""
+
+
+def _iter_hashed(
+    snap: Snapshot, names: list[str], consumed: dict[str, str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Zero-copy views into the leased buffer, each hashed into ``consumed`` as it is pulled.
+
+    The hash is taken when vLLM asks for the tensor, so ``consumed`` holds exactly what the
+    loader received; vLLM's weight loaders copy the views and never write into them.
+    """
     for name in names:
+        consumed[name] = tensor_digest(snap.array(name))
         yield name, snap.tensor(name)
+
+
+@dataclass
+class _Loaded:
+    names: set[str] | None = None
+    """What ``model.load_weights`` reported loading (vLLM names); None: it reports nothing."""
+
+
+@contextlib.contextmanager
+def _loaded_names(model: torch.nn.Module) -> Iterator[_Loaded]:
+    """Capture what ``model.load_weights`` returns while vLLM reloads the weights."""
+    loaded = _Loaded()
+    original = model.load_weights
+    own = "load_weights" in vars(model)
+
+    def load_weights(
+        weights: Iterable[tuple[str, torch.Tensor]], *args: object, **kwargs: object
+    ) -> Iterable[str] | None:
+        result = original(weights, *args, **kwargs)
+        loaded.names = None if result is None else {str(n) for n in result}
+        return result
+
+    model.load_weights = load_weights  # type: ignore[method-assign]
+    try:
+        yield loaded
+    finally:
+        if own:
+            model.load_weights = original  # type: ignore[method-assign]
+        else:
+            del model.load_weights  # the class's method again
+
+
+def _skipped_params(
+    model: torch.nn.Module, chosen: list[str], packed: dict[str, list[str]], loaded: _Loaded
+) -> list[str]:
+    """Parameters of the layers handed over that the loader did not report as loaded."""
+    names = loaded.names
+    if names is None:
+        return []
+    layers = {layer_key(n, packed) for n in chosen}
+    return [
+        name
+        for name, _ in model.named_parameters()
+        if name.rpartition(".")[0] in layers and name not in names
+    ]

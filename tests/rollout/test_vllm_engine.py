@@ -32,7 +32,7 @@ from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 from deltarl.rl.tiny_model import ensure_default_model
 from deltarl.rollout.engine import FinishedGroup, VllmEngine, VllmEngineConfig
-from deltarl.rollout.worker_ext import layer_key, tensors_to_load
+from deltarl.rollout.worker_ext import WeightVerificationError, layer_key, tensors_to_load
 
 SAMPLE_KEYS = {"prompt_token_ids", "token_ids", "logprobs", "token_versions", "text",
                "finish_reason"}  # fmt: skip
@@ -267,3 +267,87 @@ def test_tensors_are_grouped_by_the_vllm_layer_that_loads_them() -> None:
     # unknown previous state, or another tensor set: everything
     assert tensors_to_load(names, new, None, packed) == names
     assert tensors_to_load(names, new, {"x": "0"}, packed) == names
+
+
+def _model_class(engine: VllmEngine) -> type:
+    """The class of the vLLM model in this process (the uni executor runs it in-process)."""
+    assert engine._engine is not None
+    worker = engine._engine.engine_core.engine_core.model_executor.driver_worker.worker  # type: ignore[attr-defined]
+    return type(worker.model_runner.get_model())
+
+
+def test_update_reports_the_parameters_read_back_from_the_engine(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    version = commit(store, perturbed(base_weights, seed=5, scale=0.05))
+    report = engine.update_weights(store.name, store.path.parent, version, only_changed=False)
+    # embeddings, lm_head and the 9 norms keep their checkpoint name, shape and dtype on CPU;
+    # the fused and repacked linear layers (and float32 biases) cannot be read back
+    assert report["readback_tensors"] == 11
+    assert report["tensors"] == report["total"] == len(store.layout)
+    assert report["digest"] == store_digest(store)
+    # nothing handed over: still every 1:1 parameter compared, the digest from memory
+    again = engine.update_weights(store.name, store.path.parent, version)
+    assert (again["tensors"], again["readback_tensors"]) == (0, 11)
+    assert again["digest"] == report["digest"]
+
+
+def test_a_tensor_the_loader_never_pulls_fails_the_update(
+    engine: VllmEngine, store: WeightStore, base_weights: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = _model_class(engine)
+    original = cls.load_weights
+
+    def stops_early(self: object, weights: Iterator) -> object:
+        return original(self, itertools.islice(weights, len(store.layout) - 1))
+
+    monkeypatch.setattr(cls, "load_weights", stops_early)
+    held = engine.version
+    version = commit(store, perturbed(base_weights, seed=6, scale=0.05))
+    with pytest.raises(WeightVerificationError, match="did not take 1 of the"):
+        engine.update_weights(store.name, store.path.parent, version, only_changed=False)
+    assert engine.version == held
+    monkeypatch.undo()
+    # the weights are unknown now: the next load hands over everything, and verifies
+    report = engine.update_weights(store.name, store.path.parent, version)
+    assert report["tensors"] == report["total"]
+    assert report["digest"] == store_digest(store)
+
+
+def test_a_tensor_the_loader_takes_but_skips_fails_the_update(
+    engine: VllmEngine, store: WeightStore, base_weights: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = _model_class(engine)
+    original = cls.load_weights
+    skipped = "model.layers.2.mlp.down_proj.weight"
+
+    def skips_one(self: object, weights: Iterator) -> object:
+        return original(self, ((n, t) for n, t in weights if n != skipped))
+
+    monkeypatch.setattr(cls, "load_weights", skips_one)
+    version = commit(store, perturbed(base_weights, seed=7, scale=0.05))
+    with pytest.raises(WeightVerificationError, match="took but did not load"):
+        engine.update_weights(store.name, store.path.parent, version, only_changed=False)
+    monkeypatch.undo()
+    engine.update_weights(store.name, store.path.parent, version)
+
+
+def test_a_parameter_that_differs_from_the_store_after_the_load_fails_the_update(
+    engine: VllmEngine, store: WeightStore, base_weights: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = _model_class(engine)
+    original = cls.load_weights
+
+    def corrupts_a_norm(self: object, weights: Iterator) -> object:
+        return original(
+            self,
+            ((n, t + 1 if n == "model.norm.weight" else t) for n, t in weights),
+        )
+
+    monkeypatch.setattr(cls, "load_weights", corrupts_a_norm)
+    version = commit(store, perturbed(base_weights, seed=8, scale=0.05))
+    with pytest.raises(WeightVerificationError, match=r"model\.norm\.weight differs"):
+        engine.update_weights(store.name, store.path.parent, version, only_changed=False)
+    monkeypatch.undo()
+    report = engine.update_weights(store.name, store.path.parent, version)
+    assert report["digest"] == store_digest(store)
