@@ -12,7 +12,9 @@ Prefix cache and versions: every request carries ``cache_salt = "deltarl-v{versi
 vLLM mixes the salt into the hash of a prompt's first block, and every later block hash is
 chained on it, so a request under version v can only hit blocks computed under version v:
 the GRPO samples of one prompt share its cached prefix, and no request ever reads a prefix
-computed by older weights. Salting is chosen over ``reset_prefix_cache()`` because a reset
+computed by older weights. A request that has not produced a token when the weights change
+is added again under the new salt (``update_weights``), so its prefill cannot reuse blocks
+of the old version either. Salting is chosen over ``reset_prefix_cache()`` because a reset
 fails while requests are running (it would have to preempt the partial rollouts), whereas
 salted-away blocks simply age out of the free queue like any other cached block.
 
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from deltarl.rollout.worker_ext import QUALNAME
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -90,6 +93,10 @@ class FinishedGroup:
 class _Request:
     group: str
     index: int
+    prompt: dict[str, Any] = field(default_factory=dict)
+    """The rendered prompt as added (token ids and the cache salt), for a re-add."""
+    params: SamplingParams | None = None
+    """Its sampling parameters (seed included), for a re-add."""
     prompt_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -158,6 +165,9 @@ class VllmEngine:
         if self._engine is not None:
             raise RuntimeError("the vLLM engine is already started")
         t0 = time.perf_counter()
+        # A (re)started engine serves the model directory's weights, whatever an engine
+        # closed before had loaded.
+        self.version = self.config.initial_version
         # Read by vLLM when the engine is built: without it, the engine core runs in a child
         # process, and step() would pay an IPC round trip and the worker would be remote.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -191,26 +201,38 @@ class VllmEngine:
         logger.info("vLLM engine for %s started in %.1f s", cfg.model, self.start_seconds)
 
     def close(self) -> None:
-        """Shut the engine down and free its model and KV cache; in-flight groups are lost."""
+        """Shut the engine down and free its model and KV cache; in-flight groups are lost.
+
+        Idempotent, and meant for the thread that steps the engine (between steps, with
+        requests in flight or not); ``start`` may then build a new engine in this process.
+        """
+        if self._in_step:
+            raise RuntimeError("VllmEngine.close called inside a step: only between steps")
         engine, self._engine = self._engine, None
         self._requests.clear()
         self._groups.clear()
         if engine is None:
             return
-        engine.engine_core.shutdown()
-        # The uni executor set up a one-rank torch.distributed group in this process; without
-        # tearing it down, a later engine in the same process fails to initialise its own.
-        from vllm.distributed.parallel_state import (  # noqa: PLC0415
-            destroy_distributed_environment,
-            destroy_model_parallel,
-        )
+        # Each teardown runs even if an earlier one fails, so a later start() finds no
+        # distributed group or thread setting left over.
+        try:
+            engine.engine_core.shutdown()
+        finally:
+            # The uni executor set up a one-rank torch.distributed group in this process;
+            # without tearing it down, a later engine in this process cannot build its own.
+            from vllm.distributed.parallel_state import (  # noqa: PLC0415
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
 
-        destroy_model_parallel()
-        destroy_distributed_environment()
-        if self._torch_threads is not None:
-            import torch  # noqa: PLC0415
+            try:
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            finally:
+                if self._torch_threads is not None:
+                    import torch  # noqa: PLC0415
 
-            torch.set_num_threads(self._torch_threads)
+                    torch.set_num_threads(self._torch_threads)
 
     def __enter__(self) -> VllmEngine:
         self.start()
@@ -229,6 +251,10 @@ class VllmEngine:
     @property
     def running_groups(self) -> int:
         return len(self._groups)
+
+    def queued_requests(self) -> int:
+        """Requests added that have not produced a token yet (waiting, or in prefill)."""
+        return sum(1 for r in self._requests.values() if not r.token_ids)
 
     def has_work(self) -> bool:
         return bool(self._requests)
@@ -271,7 +297,7 @@ class VllmEngine:
             # One request per sample rather than n>1: each sample is addressed by its own id
             # and seed, and with the shared salt they still share the cached prompt.
             request_id = f"{group_id}#{i}"
-            self._requests[request_id] = _Request(group_id, i)
+            self._requests[request_id] = _Request(group_id, i, dict(rendered), params)
             engine.add_request(request_id, dict(rendered), params)
 
     def step(self) -> list[FinishedGroup]:
@@ -360,6 +386,7 @@ class VllmEngine:
         report = dict(reports[0])
         self.version = int(report["version"])
         engine.set_weight_version(str(self.version))
+        report["resalted_requests"] = self._resalt(engine)
         report["rpc_seconds"] = time.perf_counter() - t0
         logger.info(
             "weights now at version %d (%d/%d tensors, %.3f s)",
@@ -369,6 +396,32 @@ class VllmEngine:
             report["rpc_seconds"],
         )
         return report
+
+    def _resalt(self, engine: LLMEngine) -> int:
+        """Move every request without a token yet into the current version's cache namespace.
+
+        Such a request was added under an older version's salt, so its prefill could hit
+        prompt blocks computed by older weights although it generates under the new ones.
+        It is aborted and added again, same prompt tokens, sampling parameters and seed,
+        with the new salt. vLLM's abort frees any blocks of a prefill already under way.
+        """
+        salt = self.cache_salt
+        stale = [
+            rid
+            for rid, r in self._requests.items()
+            if not r.token_ids and r.prompt.get("cache_salt") != salt
+        ]
+        if not stale:
+            return 0
+        engine.abort_request(stale)
+        for rid in stale:
+            old = self._requests[rid]
+            req = _Request(old.group, old.index, {**old.prompt, "cache_salt": salt}, old.params)
+            self._requests[rid] = req
+            assert old.params is not None  # set by add_group
+            engine.add_request(rid, dict(req.prompt), old.params.clone())
+        logger.info("re-added %d waiting requests under cache salt %s", len(stale), salt)
+        return len(stale)
 
     def _require(self) -> LLMEngine:
         if self._engine is None:

@@ -351,3 +351,58 @@ def test_a_parameter_that_differs_from_the_store_after_the_load_fails_the_update
     monkeypatch.undo()
     report = engine.update_weights(store.name, store.path.parent, version)
     assert report["digest"] == store_digest(store)
+
+
+def test_requests_without_a_token_move_to_the_new_versions_cache_namespace(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    prompt = f"# {secrets.token_hex(8)}\n" + PROMPT * 4  # over two blocks, cached nowhere yet
+    run(engine, prompt)  # its prompt blocks are now cached under the current version
+    old = engine.version
+    engine.add_group("queued", prompt, 2, {"temperature": 1.0, "max_tokens": 6, "seed": 3})
+    assert engine.queued_requests() == 2
+    new = commit(store, perturbed(base_weights, seed=9, scale=0.05))
+    report = engine.update_weights(store.name, store.path.parent, new)
+    assert report["resalted_requests"] == 2
+    assert engine.queued_requests() == 2
+    done: list[FinishedGroup] = []
+    while engine.has_work():
+        done += engine.step()
+    (group,) = done
+    # no prompt block of the old version served them; all their tokens are the new version's
+    assert group.cached_tokens[0] == 0, group.cached_tokens
+    for s in group.samples:
+        assert s["token_versions"] == [new] * len(s["token_ids"])
+    assert old != new
+    assert engine.queued_requests() == 0
+
+
+def test_queued_requests_counts_requests_that_have_no_token_yet(engine: VllmEngine) -> None:
+    assert engine.queued_requests() == 0
+    engine.add_group("queue-depth", PROMPT, 3, {"max_tokens": 8, "seed": 1})
+    assert (engine.queued_requests(), engine.running_groups) == (3, 1)
+    engine.step()  # prefill and the first token of all three
+    assert engine.queued_requests() == 0
+    while engine.has_work():
+        engine.step()
+    assert (engine.queued_requests(), engine.running_groups) == (0, 0)
+
+
+def test_close_after_a_step_on_the_same_thread_and_start_again(
+    engine: VllmEngine, store: WeightStore
+) -> None:
+    engine.add_group("cut-short", PROMPT, 2, {"max_tokens": 32, "seed": 2})
+    engine.step()
+    engine.close()  # with requests in flight, from the thread that stepped
+    engine.close()  # idempotent
+    assert (engine.has_work(), engine.running_groups, engine.queued_requests()) == (False, 0, 0)
+    with pytest.raises(RuntimeError, match="not started"):
+        engine.step()
+    engine.start()
+    # the model directory's weights again: the initial version, not the last one loaded
+    assert engine.version == engine.config.initial_version
+    group = run(engine, PROMPT, n=2)
+    assert all(s["token_versions"] == [engine.version] * len(s["token_ids"]) for s in group.samples)
+    report = engine.update_weights(store.name, store.path.parent)
+    assert report["tensors"] == report["total"]
+    assert report["digest"] == store_digest(store)
