@@ -89,6 +89,8 @@ class RolloutDaemon:
         self.store: WeightStore | None = None
         self.engine_version: int | None = None
         self.in_flight: dict[str, float] = {}  # group id -> when it was added
+        self.submitting: set[str] = set()  # finished, submit not yet answered
+        self.queued = 0  # requests in the engine not yet producing tokens (after the last step)
         self.sync_to: int | None = None
         self.paused = False
         self.state = "starting"
@@ -156,7 +158,7 @@ class RolloutDaemon:
             await self._get_work(room)
         if self.in_flight:
             self.state = f"generating ({len(self.in_flight)} groups)"
-            finished = await self._call(self.engine.step)
+            finished, self.queued = await self._call(self._step)
             tokens = sum(len(s["token_ids"]) for g in finished for s in g.samples)
             self.generated_tokens += tokens
             self._rate.append((time.monotonic(), tokens))
@@ -170,6 +172,11 @@ class RolloutDaemon:
         else:
             self.state = f"waiting for version {self.sync_to}" if waiting_for_sync else "idle"
         await asyncio.sleep(self.config.idle_s)
+
+    def _step(self) -> tuple[list[Any], int]:
+        """One engine step and, read on the same thread, the requests still waiting."""
+        finished = self.engine.step()
+        return finished, self.engine.queued_requests()
 
     async def _recheck(self) -> None:
         """Weights loaded but not proven (no digest yet, or the apply agent was down): ask
@@ -211,7 +218,16 @@ class RolloutDaemon:
             await asyncio.sleep(min(reply.wait_s, 1.0))
 
     async def _submit(self, group_id: str, samples: list[dict[str, Any]]) -> None:
+        # Still held (listed in heartbeats) until the scheduler answers: a group whose submit
+        # is on its way must not look abandoned and be requeued.
+        self.submitting.add(group_id)
         self.in_flight.pop(group_id, None)
+        try:
+            await self._submit_until_answered(group_id, samples)
+        finally:
+            self.submitting.discard(group_id)
+
+    async def _submit_until_answered(self, group_id: str, samples: list[dict[str, Any]]) -> None:
         # Retried until the scheduler answers: a finished group is never silently lost. If it
         # refuses (the lease expired and the prompt was requeued), the group is dropped here
         # and the scheduler has counted the requeue.
@@ -347,10 +363,13 @@ class RolloutDaemon:
 
     async def _heartbeats(self) -> None:
         while True:
+            # ``held`` is complete (reports_held): the scheduler requeues any group issued to
+            # this session that is not listed, e.g. one whose Work reply was lost.
             await self._ask(Heartbeat(
                 self.config.instance, self.session, self.engine_version,
-                running_groups=len(self.in_flight), queue_depth=len(self.in_flight),
+                running_groups=len(self.in_flight), queue_depth=self.queued,
                 tokens_per_s=round(self.tokens_per_s(), 3),
+                held=[*self.in_flight, *self.submitting], reports_held=True,
             ))  # fmt: skip
             self.shell.notifier.status(f"{self.state}; version {self.engine_version}")
             await asyncio.sleep(self.config.heartbeat_s)
@@ -364,6 +383,7 @@ class RolloutDaemon:
             "session": self.session,
             "weight_version": self.engine_version,
             "running_groups": len(self.in_flight),
+            "queue_depth": self.queued,
             "generated_tokens": self.generated_tokens,
             "tokens_per_s": round(self.tokens_per_s(), 3),
             "submitted_groups": self.submitted_groups,
