@@ -10,8 +10,9 @@ of the same weights over the same link, in the same run.
 Per refit, read from the daemons' ``status`` (CLOCK_MONOTONIC is one clock for every process
 on the host, namespaces included):
 
-- encode_s: the export agent's copy-out of the published version + time in the encoder
-  (diff + coding + checksums);
+- encode_s: the export agent's taking of the published version (a lease; the copy it keeps
+  as the next reference is made after encoding, overlapping the transfer) + time in the
+  encoder (diff + coding + checksums);
 - transfer_s: time in the link's ``send_chunk``/``send_manifest`` (stream: waiting for window
   room and the manifest's ack; shm: writing chunk files and waiting for the receiver to free
   slots), export agent;
@@ -385,7 +386,7 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
     ]
     for d in diag or []:
         lines.append(
-            f"  version {d['version']}: copy-out {d['copy_s'] * 1e3:.1f} ms, apply opened "
+            f"  version {d['version']}: lease {d['copy_s'] * 1e3:.1f} ms, apply opened "
             f"{d['first_chunk_after_s'] * 1e3:.1f} ms after encoding began (open + copy of the "
             f"active buffer {d['open_s'] * 1e3:.1f} ms), commit {d['sent_to_commit_s'] * 1e3:.1f}"
             f" ms after the last send returned"

@@ -33,9 +33,13 @@ def warm_up() -> None:
     ref = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
     cur = ref.copy()
     cur[::97] ^= 1
-    for coding in (VAL_ORDERED_DELTA, VAL_XOR):
+    # The export agent encodes straight from a store's read-only mapping: numba types a
+    # read-only array apart from a writable one, so both are compiled.
+    cur_ro = cur.copy()
+    cur_ro.flags.writeable = False
+    for coding, current in ((VAL_ORDERED_DELTA, cur), (VAL_XOR, cur), (VAL_ORDERED_DELTA, cur_ro)):
         encoding = DeltaEncoder(layout, value_coding=coding).encode(
-            cur, ref, target_version=1, base_version=0
+            current, ref, target_version=1, base_version=0
         )
         chunks = list(encoding)
         apply = VersionApply(layout, ref.copy(), ref, base=0, version=1)

@@ -26,6 +26,7 @@ so every delta is built on bytes the receiver was seen holding.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -33,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from deltarl.codecs.encoder import DeltaEncoder
+from deltarl.codecs.encoder import Chunk, DeltaEncoder
 from deltarl.daemons.config import DaemonShell, ExportConfig, daemon_main
+from deltarl.engine.leases import Snapshot
 from deltarl.engine.weight_store import WeightStore
 from deltarl.refit.manifest_store import ManifestStore, ManifestStoreError, State
 from deltarl.transport.base import ChunkSender, LinkError, make_sender
@@ -108,11 +110,14 @@ class ExportAgent:
                 if self._republished(published, receiver):
                     self.taken = published
                     continue
-                self.taken_at = time.monotonic()  # before the copy-out (bench refit reads it)
-                with self.store.lease() as snap:
-                    version, current = snap.version, self._copy_out(snap.buffer)
-                self.taken = version
-                await self._ship(sender, version, current, receiver)
+                self.taken_at = time.monotonic()  # bench refit and deltarl up read it
+                snap = self.store.lease()
+                try:
+                    version, current = snap.version, self._take_spare(snap.buffer)
+                    self.taken = version
+                    await self._ship(sender, snap, current, receiver)
+                finally:
+                    snap.release()  # idempotent: _ship releases it as soon as it can
                 if self.ref is not current:
                     self._spare = current  # not adopted as the reference: reuse its memory
 
@@ -147,15 +152,14 @@ class ExportAgent:
                     version, self.ref_version, detail)  # fmt: skip
         return True
 
-    def _copy_out(self, published: np.ndarray) -> np.ndarray:
-        """The published bytes, copied into the spare buffer (allocated once, then reused).
+    def _take_spare(self, published: np.ndarray) -> np.ndarray:
+        """The buffer that receives a copy of the published bytes (allocated once, reused).
 
         A fresh array per version cost more in page faults than the copy itself. Two buffers
         suffice: the reference, and the spare that receives the next version.
         """
         buf = self._spare if self._spare is not None else np.empty_like(published)
         self._spare = None
-        np.copyto(buf, published)
         return buf
 
     async def _open_published(self) -> WeightStore:
@@ -207,9 +211,20 @@ class ExportAgent:
         return None
 
     async def _ship(
-        self, sender: ChunkSender, version: int, current: np.ndarray, receiver: dict[str, Any]
+        self, sender: ChunkSender, snap: Snapshot, current: np.ndarray, receiver: dict[str, Any]
     ) -> None:
+        """Encode ``snap`` against the reference, send it, copy it into ``current`` (which
+        becomes the reference once acknowledged), release ``snap``, await the acknowledgement.
+
+        For a delta the encoder reads the published buffer in place, under the lease, and the
+        copy that the next diff needs is made once the encoder is done, while the last chunks
+        travel and the receiver applies them: before encoding it delayed every refit by a
+        full memory copy. The lease covers the encoding and that copy only, never a wait for
+        the network (chunks queue for the link), so a slow link cannot keep the trainer from
+        publishing.
+        """
         assert self.encoder is not None  # set in run() before the loop
+        version = snap.version
         reason = self._full_reason(receiver, version)
         base = None if reason else self.ref_version
         session = receiver.get("session")
@@ -218,37 +233,66 @@ class ExportAgent:
             self.resync_pending = False
             logger.info("version %d: full (%s)", version, reason)
         t0 = time.monotonic()
+        if reason:
+            # A full version is as large as the model and may cross a slow link: copy it out
+            # first and let the lease go, so no network wait ever holds the trainer up.
+            await asyncio.to_thread(np.copyto, current, snap.buffer)
+            snap.release()
+        source = current if reason else snap.buffer
         encoding = self.encoder.encode(
-            current, None if reason else self.ref, target_version=version, base_version=base
+            source, None if reason else self.ref, target_version=version, base_version=base
         )
         chunks = iter(encoding)
-        nbytes = 0
+        # Encoded chunks wait here for the link. For a delta the queue is unbounded, so the
+        # encoder (which holds the lease) never waits for the network; a delta's chunks are at
+        # most about a full version's wire size. A full version encodes from our own copy and
+        # may wait: its queue is bounded.
+        outbox: asyncio.Queue[Chunk | None] = asyncio.Queue(4 if reason else 0)
+        sent = {"bytes": 0, "seconds": 0.0}
+
+        async def send_all() -> None:
+            while (chunk := await outbox.get()) is not None:
+                t = time.monotonic()
+                await sender.send_chunk(version, chunk.chunk_id, chunk.data)
+                sent["seconds"] += time.monotonic() - t
+                sent["bytes"] += len(chunk.data)
+
+        sending = asyncio.create_task(send_all(), name=f"export:send:{version}")
         recorded = False
-        # Time in the encoder and in the sender (bench refit reads them from ``last``).
-        encode_s, send_s = time.monotonic() - t0, 0.0
+        encode_s = time.monotonic() - t0  # time in the encoder (bench refit reads it)
         try:
             # Send while still encoding: each chunk leaves as soon as it exists.
-            while True:
+            while not sending.done():  # done early: the link failed (raised below)
                 t = time.monotonic()
                 chunk = await asyncio.to_thread(next, chunks, None)
                 encode_s += time.monotonic() - t
+                await outbox.put(chunk)
                 if chunk is None:
                     break
-                t = time.monotonic()
-                await sender.send_chunk(version, chunk.chunk_id, chunk.data)
-                send_s += time.monotonic() - t
-                nbytes += len(chunk.data)
+            if not reason:
+                # The next diff needs these bytes after the lease is gone: copy them now,
+                # while the last chunks travel and the receiver applies them.
+                await asyncio.to_thread(np.copyto, current, snap.buffer)
+                snap.release()
+            await sending  # raises the link's error, if any
             manifest = encoding.manifest
             assert manifest is not None  # set once the chunks are exhausted
             recorded = self._record(manifest)
             t = time.monotonic()
             await sender.send_manifest(version, manifest.to_json())
             sent_at = time.monotonic()
-            send_s += sent_at - t
+            send_s = sent["seconds"] + sent_at - t
+            nbytes = sent["bytes"]
         except LinkError as e:
             self._failed(version, f"link: {e}", recorded=recorded)
             await self.shell.publish(RefitFailed(version, f"link: {e}"))
             return
+        finally:
+            if not sending.done():
+                sending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, LinkError):
+                    await sending
+            snap.release()
         if recorded:
             self._mark(version, State.UPLOADED)
         self.sent += 1
