@@ -59,6 +59,20 @@ STATUS_TIMEOUT_S = 2.0
 RECENT = 64
 
 
+async def _put_unless_done(
+    queue: asyncio.Queue[Chunk | None], item: Chunk | None, consumer: asyncio.Task[None]
+) -> bool:
+    """Queue ``item``; False if the consumer ended first (a full queue would wait forever)."""
+    put = asyncio.create_task(queue.put(item))
+    await asyncio.wait({put, consumer}, return_when=asyncio.FIRST_COMPLETED)
+    if put.done():
+        return True
+    put.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await put
+    return False
+
+
 class ExportAgent:
     """Watches, encodes and sends; its control handlers only set flags the loop reads."""
 
@@ -266,8 +280,7 @@ class ExportAgent:
                 t = time.monotonic()
                 chunk = await asyncio.to_thread(next, chunks, None)
                 encode_s += time.monotonic() - t
-                await outbox.put(chunk)
-                if chunk is None:
+                if not await _put_unless_done(outbox, chunk, sending) or chunk is None:
                     break
             if not reason:
                 # The next diff needs these bytes after the lease is gone: copy them now,
