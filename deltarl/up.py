@@ -420,6 +420,11 @@ def main(argv: list[str]) -> int:
             print(f"deltarl up: {e}", file=sys.stderr)
             return 1
         code = 0
+    except KeyboardInterrupt:
+        # Ctrl-C reaches only us (the daemons have sessions of their own): stop them in order.
+        print(f"\ndeltarl up: interrupted; stopping the daemons (logs: {run.directory})",
+              file=sys.stderr)  # fmt: skip
+        return 130
     finally:
         codes = run.stop()
         with contextlib.suppress(OSError):

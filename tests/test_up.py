@@ -163,3 +163,30 @@ def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> No
     assert sorted(prompts) == list(range(len(prompts)))  # no gap in the dataset's ids
     codes = run.stop()
     assert set(codes.values()) == {0}, codes
+
+
+def test_ctrl_c_stops_every_daemon_cleanly(home: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltarl.cli", "up", "--steps", "50", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DELTARL_HOME": str(home)},
+    )  # fmt: skip
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # progress lines, until the first step
+        seen.append(line)
+        if line.startswith("step   1/"):
+            break
+    else:
+        raise AssertionError("".join(seen) + (proc.stdout.read() if proc.stdout else ""))
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal sends
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "interrupted; stopping the daemons" in stderr
+    assert "Traceback" not in stderr
+    assert "did not stop cleanly" not in stderr
+    assert stdout == ""  # no summary object for a run that did not finish
+    run_dir = next((home / "runs").iterdir())
+    for sock in ("scheduler", "trainer", "export", "apply", "rollout"):
+        log = (run_dir / f"{sock}.log").read_text()
+        assert "Traceback" not in log, (sock, log[-2000:])
