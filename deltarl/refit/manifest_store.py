@@ -42,17 +42,12 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
-from types import TracebackType
 
 from deltarl.codecs.frame import NO_BASE
 from deltarl.codecs.manifest import RefitManifest
+from deltarl.engine.sqlite_store import SqliteStore
 
 logger = logging.getLogger(__name__)
 
@@ -169,16 +164,7 @@ def _row(row: tuple) -> VersionRecord:
     )
 
 
-def _enable_wal(conn: sqlite3.Connection, path: Path) -> None:
-    # WAL: readers never block the writer nor see a half-written transaction.
-    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-    if mode != "wal":
-        raise ManifestStoreError(f"{path}: cannot use WAL mode (got {mode})")
-    # FULL: a committed transition survives power loss, not only a process crash.
-    conn.execute("PRAGMA synchronous=FULL")
-
-
-class ManifestStore:
+class ManifestStore(SqliteStore):
     """The version table in one sqlite file; one writer process, any number of readers.
 
     ``readonly=True`` opens an existing store for reading only (another process may be writing
@@ -186,110 +172,10 @@ class ManifestStore:
     threads (one connection, serialized by a lock), e.g. from ``asyncio.to_thread``.
     """
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        readonly: bool = False,
-        busy_timeout_s: float = 10.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.path = Path(path)
-        self.readonly = readonly
-        self._clock = clock
-        self._lock = threading.Lock()
-        if readonly:
-            if not self.path.exists():
-                raise FileNotFoundError(f"no manifest store at {self.path}")
-            target, uri = f"{self.path.resolve().as_uri()}?mode=ro", True
-        else:
-            target, uri = str(self.path), False
-        # isolation_level=None: no implicit transactions; every write below opens its own
-        # BEGIN IMMEDIATE, so a read-check-write cannot interleave with another writer's.
-        conn = sqlite3.connect(
-            target,
-            uri=uri,
-            timeout=busy_timeout_s,
-            isolation_level=None,
-            check_same_thread=False,
-        )
-        self._conn: sqlite3.Connection | None = conn
-        try:
-            if readonly:
-                self._check_schema()
-            else:
-                _enable_wal(conn, self.path)
-                self._create_schema()
-        except BaseException:
-            conn.close()
-            self._conn = None
-            raise
-
-    # -- opening and closing -------------------------------------------------------------
-
-    def _create_schema(self) -> None:
-        with self._write() as conn:
-            found = conn.execute("PRAGMA user_version").fetchone()[0]
-            if found not in (0, SCHEMA_VERSION):
-                raise ManifestStoreError(
-                    f"{self.path}: manifest store schema {found}, this deltarl reads "
-                    f"{SCHEMA_VERSION}"
-                )
-            # One statement at a time: executescript() would COMMIT this transaction first.
-            for statement in _SCHEMA:
-                conn.execute(statement)
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-
-    def _check_schema(self) -> None:
-        found = self._db().execute("PRAGMA user_version").fetchone()[0]
-        if found != SCHEMA_VERSION:
-            raise ManifestStoreError(
-                f"{self.path}: not a manifest store this deltarl reads "
-                f"(schema {found}, expected {SCHEMA_VERSION})"
-            )
-
-    def close(self) -> None:
-        """Close the connection; idempotent. Committed transitions are already on disk."""
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-    def __enter__(self) -> ManifestStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise ManifestStoreError(f"manifest store {self.path} is closed")
-        return self._conn
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One atomic write transaction: committed whole on success, rolled back on error.
-
-        A crash inside it leaves nothing behind: the WAL frames of an uncommitted transaction
-        are ignored when the file is next opened.
-        """
-        if self.readonly:
-            raise ManifestStoreError(f"manifest store {self.path} was opened read-only")
-        conn = self._db()
-        # IMMEDIATE takes the write lock now, before the reads that decide what to write.
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:  # not after a COMMIT that went through
-                conn.execute("ROLLBACK")
-            raise
+    KIND = "manifest store"
+    SCHEMA = _SCHEMA
+    SCHEMA_VERSION = SCHEMA_VERSION
+    Error = ManifestStoreError
 
     # -- writes --------------------------------------------------------------------------
 
@@ -316,7 +202,7 @@ class ManifestStore:
                 f"version {m.version}: a delta's base must be an earlier version "
                 f"(got base {m.base_version})"
             )
-        now = self._clock()
+        now = self.clock()
         with self._lock, self._write() as conn:
             if conn.execute("SELECT 1 FROM versions WHERE version = ?", (m.version,)).fetchone():
                 raise DuplicateVersionError(f"version {m.version} is recorded already")
@@ -389,7 +275,7 @@ class ManifestStore:
             )
         if target not in TRANSITIONS[current]:
             raise TransitionError(version, current, target)
-        now = self._clock()
+        now = self.clock()
         if target == State.ACTIVE:
             # I2: demote and promote in this one transaction. Demote first: the unique index
             # (I1) refuses a second active row even inside a transaction.

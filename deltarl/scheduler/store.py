@@ -28,18 +28,15 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
-import time
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from statistics import fmean, pstdev
-from types import TracebackType
 from typing import Any
 
 import orjson
+
+from deltarl.engine.sqlite_store import SqliteStore
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +182,7 @@ def _stats(
     return fmean(values), pstdev(values), min(values), max(values)
 
 
-class SchedulerStore:
+class SchedulerStore(SqliteStore):
     """The scheduler's tables in one sqlite file; one writer process, any number of readers.
 
     Every method is one snapshot or one transaction, safe from several threads (one connection
@@ -193,108 +190,13 @@ class SchedulerStore:
     are wall-clock deadlines, not monotonic ones.
     """
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        readonly: bool = False,
-        busy_timeout_s: float = 10.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.path = Path(path)
-        self.readonly = readonly
-        self.clock = clock
-        self._lock = threading.Lock()
-        if readonly:
-            if not self.path.exists():
-                raise FileNotFoundError(f"no scheduler store at {self.path}")
-            target, uri = f"{self.path.resolve().as_uri()}?mode=ro", True
-        else:
-            target, uri = str(self.path), False
-        conn = sqlite3.connect(
-            target, uri=uri, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
-        self._conn: sqlite3.Connection | None = conn
-        try:
-            self._open(conn)
-        except BaseException:
-            conn.close()
-            self._conn = None
-            raise
+    KIND = "scheduler store"
+    SCHEMA = _SCHEMA
+    SCHEMA_VERSION = SCHEMA_VERSION
+    Error = SchedulerStoreError
 
-    def _open(self, conn: sqlite3.Connection) -> None:
-        if self.readonly:
-            found = conn.execute("PRAGMA user_version").fetchone()[0]
-            if found != SCHEMA_VERSION:
-                raise SchedulerStoreError(f"{self.path}: not a scheduler store (schema {found})")
-            return
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode != "wal":
-            raise SchedulerStoreError(f"{self.path}: cannot use WAL mode (got {mode})")
-        # FULL: a committed transition survives power loss, not only a process crash.
-        conn.execute("PRAGMA synchronous=FULL")
-        self._create_schema()
-
-    def _create_schema(self) -> None:
-        with self._write() as conn:
-            found = conn.execute("PRAGMA user_version").fetchone()[0]
-            if found not in (0, SCHEMA_VERSION):
-                raise SchedulerStoreError(
-                    f"{self.path}: scheduler store schema {found}, this deltarl reads "
-                    f"{SCHEMA_VERSION}"
-                )
-            for statement in _SCHEMA:  # one at a time: executescript() would COMMIT first
-                conn.execute(statement)
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('cursor', '0')")
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-
-    def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-    def __enter__(self) -> SchedulerStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise SchedulerStoreError(f"scheduler store {self.path} is closed")
-        return self._conn
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One atomic write transaction (see ManifestStore._write)."""
-        if self.readonly:
-            raise SchedulerStoreError(f"scheduler store {self.path} was opened read-only")
-        conn = self._db()
-        conn.execute("BEGIN IMMEDIATE")  # the write lock before the reads that decide
-        try:
-            yield conn
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-
-    @contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
-        """One consistent snapshot over several SELECTs."""
-        with self._lock:
-            conn = self._db()
-            conn.execute("BEGIN")
-            try:
-                yield conn
-            finally:
-                conn.execute("ROLLBACK")
+    def _init_schema(self, conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT OR IGNORE INTO meta VALUES ('cursor', '0')")
 
     # -- helpers inside a transaction ---------------------------------------------------------
 
