@@ -33,16 +33,21 @@ def warm_up() -> None:
     ref = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
     cur = ref.copy()
     cur[::97] ^= 1
-    # The export agent encodes straight from a store's read-only mapping: numba types a
-    # read-only array apart from a writable one, so both are compiled.
+    # The export agent encodes straight from a store's read-only mapping, and the apply agent
+    # applies against one: numba types a read-only array apart from a writable one, so both
+    # are compiled (else the first refit of a process compiles for seconds).
     cur_ro = cur.copy()
     cur_ro.flags.writeable = False
+    ref_ro = ref.copy()
+    ref_ro.flags.writeable = False
     for coding, current in ((VAL_ORDERED_DELTA, cur), (VAL_XOR, cur), (VAL_ORDERED_DELTA, cur_ro)):
         encoding = DeltaEncoder(layout, value_coding=coding).encode(
             current, ref, target_version=1, base_version=0
         )
         chunks = list(encoding)
-        apply = VersionApply(layout, ref.copy(), ref, base=0, version=1)
+        # The apply agent's reference is the store's read-only view of the active buffer.
+        reference = ref_ro if current is cur_ro else ref
+        apply = VersionApply(layout, ref.copy(), reference, base=0, version=1)
         for chunk in chunks:
             apply.apply(chunk.data)
         assert encoding.manifest is not None
