@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     sub.add_parser(
         "up", help="run the whole RL loop on this machine, then summarise", add_help=False
     )
+    sub.add_parser("keys", help="make the CURVE keys for tcp:// control sockets", add_help=False)
     for name, what in DAEMONS.items():
         sub.add_parser(name, help=what, add_help=False)
     args, rest = ap.parse_known_args(argv)
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.daemons import trainer_synthetic  # noqa: PLC0415 - heavy imports
 
         return trainer_synthetic.main(rest)
+    if args.command == "keys":
+        from deltarl.transport import curve  # noqa: PLC0415 - only when used
+
+        return curve.main(rest)
     if args.command == "up":
         from deltarl import up  # noqa: PLC0415 - heavy imports only when used
 

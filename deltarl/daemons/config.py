@@ -33,6 +33,7 @@ from deltarl.engine import loop
 from deltarl.engine.notify import Notifier
 from deltarl.transport.base import LinkConfig, ShmLinkConfig, StreamLinkConfig
 from deltarl.transport.control import ControlServer, Handler, check_endpoint
+from deltarl.transport.curve import CurveKeyError
 from deltarl.transport.events import EventPublisher
 from deltarl.transport.messages import Command, Event
 
@@ -245,7 +246,7 @@ def daemon_main(
     logging.basicConfig(level=logging.INFO, format=fmt)
     try:
         loop.run(amain(load(cls, args.name, args.config)))
-    except ConfigError as e:
+    except (ConfigError, CurveKeyError) as e:
         print(f"deltarl {daemon}: {e}", file=sys.stderr)
         return EX_CONFIG
     return 0

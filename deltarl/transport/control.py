@@ -20,6 +20,7 @@ from typing import Any, Self
 import zmq
 import zmq.asyncio
 
+from deltarl.transport.curve import CurveKeys, secure_client, secure_server
 from deltarl.transport.messages import (
     COMMANDS,
     MAX_MESSAGE_BYTES,
@@ -45,6 +46,9 @@ DEFAULT_TIMEOUT = 5.0  # seconds a client waits for a reply unless told otherwis
 # A handler takes the command instance of the class it is registered for. The mapping from
 # class to handler is heterogeneous, which the type system cannot say, hence Any.
 Handler = Callable[[Any], Awaitable[Reply]]
+
+FROM_ENV: Any = object()
+"""``curve=FROM_ENV`` (the default): CURVE keys from ``DELTARL_CURVE_KEYS`` (see curve.py)."""
 
 
 class ControlTimeoutError(TimeoutError):
@@ -106,8 +110,10 @@ class ControlServer:
         default_timeout: float = 30.0,
         grace: float = 5.0,
         context: zmq.asyncio.Context | None = None,
+        curve: CurveKeys | None = FROM_ENV,
     ) -> None:
         self.name = name
+        self._curve = CurveKeys.from_env() if curve is FROM_ENV else curve
         self._endpoint = check_endpoint(endpoint)
         self._handlers = dict(handlers)
         # The decode table: the standard commands (so an unhandled one is "unsupported"
@@ -141,6 +147,7 @@ class ControlServer:
         sock.setsockopt(zmq.MAXMSGSIZE, 16 * self._max_bytes)
         # On close, give replies already queued a moment to leave (a shutdown's own "ok").
         sock.setsockopt(zmq.LINGER, 500)
+        secure_server(sock, self._endpoint, self._curve)
         self._endpoint = bind_endpoint(sock, self._endpoint)
         self._sock = sock
         return self._endpoint
@@ -305,8 +312,10 @@ class ControlClient:
         replies: Mapping[str, type[Reply]] = REPLIES,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         context: zmq.asyncio.Context | None = None,
+        curve: CurveKeys | None = FROM_ENV,
     ) -> None:
         self.endpoint = check_endpoint(endpoint)
+        self._curve = CurveKeys.from_env() if curve is FROM_ENV else curve
         self._replies = replies
         self._max_bytes = max_message_bytes
         self._context = context or zmq.asyncio.Context.instance()
@@ -332,6 +341,7 @@ class ControlClient:
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, 16 * self._max_bytes)
+            secure_client(sock, self.endpoint, self._curve)
             sock.connect(self.endpoint)
             self._sock = sock
             self._reader = asyncio.create_task(self._read(sock), name=f"ctl:{self.endpoint}")
