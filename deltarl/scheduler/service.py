@@ -53,10 +53,13 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from deltarl.engine.daemon import DaemonCore, PauseGate
 from deltarl.rl.protocol import (
+    RL_COMMANDS,
     Batch,
     Checkpointed,
     GetHistory,
@@ -79,7 +82,8 @@ from deltarl.scheduler.policy import (
 )
 from deltarl.scheduler.reward import RewardFailedError, RewardScorer
 from deltarl.scheduler.store import Group, PromptState, SchedulerStore, parse_group_id
-from deltarl.transport.messages import Error, Ok, Reply
+from deltarl.transport.control import Handler
+from deltarl.transport.messages import Command, Error, Ok, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +167,10 @@ class Instance:
     tokens_per_s: float = 0.0
 
 
-class SchedulerService:
+class SchedulerService(DaemonCore):
+    daemon: ClassVar[str] = "scheduler"
+    pause_text: ClassVar[str] = "paused: no new work is issued"
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -185,7 +192,7 @@ class SchedulerService:
             count=store.bump,
         )
         self.monotonic = monotonic
-        self.paused = False
+        self.gate = PauseGate()
         self.instances: dict[str, Instance] = {}
         self._scoring: dict[str, asyncio.Future[Reply]] = {}
         self._pooled_at: deque[tuple[float, int]] = deque()  # (monotonic, samples): throughput
@@ -200,6 +207,28 @@ class SchedulerService:
                 self.instances.setdefault(
                     g.instance, Instance(g.instance, g.session, now, wall, g.weight_version)
                 )
+
+    @property
+    def paused(self) -> bool:
+        return self.gate.paused
+
+    def concurrent_handlers(self) -> Mapping[type[Command], Handler]:
+        """Every command of the RL protocol, concurrently: rollout daemons and the trainer
+        must not wait behind each other's submits (which await reward scoring), and every
+        handler keeps the state consistent in its own store transactions."""
+        handlers: dict[str, Handler] = {
+            "rl.heartbeat": self.heartbeat,
+            "rl.get_work": self.get_work,
+            "rl.submit_group": self.submit_group,
+            "rl.take_batch": self.take_batch,
+            "rl.step_done": self.step_done,
+            "rl.checkpointed": self.checkpointed,
+            "rl.history": self.history,
+        }
+        missing = set(RL_COMMANDS) - set(handlers)
+        if missing:  # the protocol grew a command this service does not answer yet
+            raise RuntimeError(f"scheduler: no handler for {sorted(missing)}")
+        return {RL_COMMANDS[tag]: handler for tag, handler in handlers.items()}
 
     # -- instances and leases -------------------------------------------------------------
 

@@ -1,0 +1,79 @@
+"""A daemon's process: ``deltarl <daemon> --config FILE [--name NAME]`` to an exit status.
+
+Every daemon's ``main`` is one call: load its ``[daemons.NAME]`` table, build its core, run it
+on the daemon runtime (deltarl/engine/daemon.py) on the preferred event loop. Exit statuses,
+which the units rely on:
+
+    0   stopped cleanly (shutdown, drain, a signal, or its work finished)
+    1   the core failed (logged with its traceback); systemd restarts the daemon
+    78  EX_CONFIG: the configuration cannot work (a bad table, an unusable key directory, a
+        model directory without a config, ...); the units list it in
+        ``RestartPreventExitStatus=``, since restarting cannot fix a file
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from deltarl.daemons.config import EX_CONFIG, ConfigError, load
+from deltarl.engine import loop
+from deltarl.engine.daemon import DEFAULT_DRAIN_TIMEOUT_S, DaemonContext, DaemonCore, serve
+from deltarl.engine.supervisor import EscalationError
+from deltarl.transport.curve import CurveKeyError
+
+T = TypeVar("T")
+
+CONFIG_ERRORS = (ConfigError, CurveKeyError)
+
+
+def daemon_main(
+    daemon: str,
+    cls: type[T],
+    argv: list[str],
+    build: Callable[[T, DaemonContext], Awaitable[DaemonCore]],
+    doc: str,
+) -> int:
+    """``deltarl <daemon>``: parse the arguments, load the config, serve; the exit status."""
+    ap = argparse.ArgumentParser(prog=f"deltarl {daemon}", description=doc.splitlines()[0])
+    ap.add_argument("--config", help=f"the deltarl TOML; reads [daemons.{daemon}]")
+    ap.add_argument(
+        "--name",
+        default=daemon,
+        help=f"read [daemons.NAME] instead (several {daemon} daemons on one host, or a relay "
+        "tree: apply-b, apply-c ...)",
+    )
+    args = ap.parse_args(argv)
+    fmt = f"%(asctime)s {args.name} %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt)
+    try:
+        cfg = load(cls, args.name, args.config)
+        return run(args.name, cfg, build)
+    except CONFIG_ERRORS as e:
+        print(f"deltarl {daemon}: {e}", file=sys.stderr)
+        return EX_CONFIG
+
+
+def run(name: str, cfg: Any, build: Callable[[Any, DaemonContext], Awaitable[DaemonCore]]) -> int:  # noqa: ANN401 - any daemon's config class
+    """Serve one daemon whose config is loaded; the exit status (ConfigError propagates)."""
+
+    async def make(context: DaemonContext) -> DaemonCore:
+        return await build(cfg, context)
+
+    main = serve(
+        name,
+        cfg.control,
+        make,
+        events=getattr(cfg, "events", None),
+        drain_timeout_s=getattr(cfg, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S),
+    )
+    try:
+        loop.run(main)
+    except EscalationError as e:
+        if isinstance(e.__cause__, CONFIG_ERRORS):
+            raise e.__cause__ from None
+        return 1
+    return 0

@@ -1,0 +1,470 @@
+"""The rollout core: one vLLM engine generating the scheduler's groups, refit between steps.
+
+The logic of ``deltarl rollout`` with no socket (the process module, deltarl/daemons/rollout.py,
+gives it the scheduler as an ``Ask`` and runs it on the daemon runtime). Its loop, one engine
+call at a time (so a weight update can only happen between engine steps, never during one):
+
+    the apply agent's store holds a newer active version?
+      -> update the engine from it (the worker extension reads the store under a reader lease)
+         and check the digest of what the engine loaded against the manifest's model digest:
+         the engine, not just the buffer, is proven bit-exact
+    room for more groups (not paused, not draining, no ``sync_to`` pending)?  -> GetWork
+    groups in flight?  -> one engine step; each finished group -> SubmitGroup
+    nothing to do -> wait a little
+
+A heartbeat task reports health (version, groups in flight, queue depth, tokens/s, the groups
+held) every ``heartbeat_s``; the scheduler requeues the groups of an instance that misses them,
+and of a restarted one (``session`` is new at every start). Draining stops GetWork and lets the
+groups in flight finish; what is unfinished when the daemon stops is handed back (a heartbeat
+that holds nothing) so the scheduler requeues it at once.
+
+Invariant: ``engine_version`` is the version whose weights every token generated since the
+last update came from; the engine tags each token with it (``token_versions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from deltarl.daemons.config import ConfigError
+from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
+from deltarl.engine.weight_store import WeightStore
+from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
+from deltarl.transport.messages import Command, Error, Ok, Reply, Status
+
+if TYPE_CHECKING:
+    from deltarl.daemons.rollout import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 5.0
+HAND_BACK_TIMEOUT_S = 2.0
+MAX_REFITS = 4096
+
+Ask = Callable[[Command, float], Awaitable[Reply]]
+"""A request to the scheduler with a timeout in seconds: its reply, or TimeoutError or
+ConnectionError (ControlClient.request is one)."""
+
+
+class RolloutService(DaemonCore):
+    """The rollout loop and its state; the process module adds the sockets."""
+
+    daemon: ClassVar[str] = "rollout"
+    pause_text: ClassVar[str] = "paused: groups in flight finish, no new work is taken"
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        scheduler: Ask,
+        context: DaemonContext,
+        apply_status: Callable[[float], Awaitable[Reply]] | None = None,
+    ) -> None:
+        self.config = config
+        self.context = context
+        self.session = secrets.token_hex(8)
+        self.scheduler = scheduler
+        self.apply_status = apply_status
+        self.gate = PauseGate()
+        self.draining = False
+        self._emptied = asyncio.Event()  # set whenever no group is in flight or submitting
+        self.engine: Any = None  # deltarl.rollout.engine.VllmEngine once started
+        self.store: WeightStore | None = None
+        self.engine_version: int | None = None
+        self.in_flight: dict[str, float] = {}  # group id -> when it was added
+        self.submitting: set[str] = set()  # finished, submit not yet answered
+        self.queued = 0  # requests in the engine not yet producing tokens (after the last step)
+        self.sync_to: int | None = None
+        self.activity = "starting"
+        self.generated_tokens = 0
+        self.submitted_groups = 0
+        self.refused_groups = 0
+        # Every engine update, in order (the last MAX_REFITS: a daemon runs for weeks).
+        self.refits: deque[dict[str, Any]] = deque(maxlen=MAX_REFITS)
+        self.verified = 0
+        self.mismatches = 0
+        self.unverified: str | None = None  # why the engine's weights are not proven, if so
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
+        # Every engine call (start, add, step, load, close) runs on this one thread, in order:
+        # vLLM is not thread-safe, and a step still running when the daemon is cancelled must
+        # end before close() tears the engine down.
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self.refit_errors = 0
+        self.failed_groups = 0
+        self._last_digest: str | None = None  # what the engine reported at its last load
+        self._recheck_at = 0.0
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.store = await self._open_store()
+        version = await self._first_version()
+        self.activity = "starting the engine"
+        self.engine = await self._call(self._make_engine)
+        await self._refit(version)
+        heartbeat = asyncio.create_task(self._heartbeats(), name="rollout:heartbeat")
+        try:
+            while True:
+                await self._one_round()
+        finally:
+            heartbeat.cancel()
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        """``fn(*args, **kwargs)`` on the engine thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._engine_thread, partial(fn, *args, **kwargs))
+
+    def _make_engine(self) -> Any:  # noqa: ANN401 - VllmEngine, imported lazily (vLLM is heavy)
+        from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415
+        from deltarl.rollout.engine import VllmEngine, VllmEngineConfig  # noqa: PLC0415
+
+        model_dir = self.config.model_dir or ensure_default_model()
+        try:
+            engine_config = VllmEngineConfig(model=Path(model_dir), **self.config.engine)
+        except TypeError as e:
+            raise ConfigError(f"[daemons.{self.config.instance}].engine: {e}") from None
+        engine = VllmEngine(engine_config)
+        engine.start()
+        return engine
+
+    async def _one_round(self) -> None:
+        assert self.store is not None  # set in run()
+        active = self.store.active_version
+        if active is not None and active != self.engine_version:
+            await self._refit(active)
+        elif self.unverified is not None and time.monotonic() >= self._recheck_at:
+            await self._recheck()
+        waiting_for_sync = self.sync_to is not None and (self.engine_version or 0) < self.sync_to
+        room = self.config.max_running_groups - len(self.in_flight)
+        taking = not self.gate.paused and not self.draining and self.unverified is None
+        if taking and not waiting_for_sync and room > 0:
+            await self._get_work(room)
+        if self.in_flight:
+            self.activity = f"generating ({len(self.in_flight)} groups)"
+            finished, self.queued = await self._call(self._step)
+            tokens = sum(len(s["token_ids"]) for g in finished for s in g.samples)
+            self.generated_tokens += tokens
+            self._rate.append((time.monotonic(), tokens))
+            for group in finished:
+                await self._submit(group.group_id, group.samples)
+            return
+        if self.unverified is not None:
+            self.activity = f"not generating, weights unverified ({self.unverified})"
+        elif self.draining:
+            self.activity = "drained"
+        elif self.gate.paused:
+            self.activity = "paused"
+        else:
+            self.activity = f"waiting for version {self.sync_to}" if waiting_for_sync else "idle"
+        await asyncio.sleep(self.config.idle_s)
+
+    def _step(self) -> tuple[list[Any], int]:
+        """One engine step and, read on the same thread, the requests still waiting."""
+        finished = self.engine.step()
+        return finished, self.engine.queued_requests()
+
+    async def _recheck(self) -> None:
+        """Weights loaded but not proven (no digest yet, or the apply agent was down): ask
+        again, at most once a second, rather than wait for a newer version that may never
+        come while no samples flow."""
+        self._recheck_at = time.monotonic() + 1.0
+        if self.engine_version is None or self._last_digest is None:
+            return
+        expected = await self._expected_digest(self.engine_version, within_s=0.5)
+        if expected is not None and expected == self._last_digest:
+            logger.info("version %d verified late", self.engine_version)
+            self.verified += 1
+            self.mismatches -= 1  # it was counted unverified, not wrong
+            self.unverified = None
+            if self.refits and self.refits[-1]["version"] == self.engine_version:
+                self.refits[-1]["verified"] = True
+
+    async def _get_work(self, room: int) -> None:
+        reply = await self._ask(
+            GetWork(self.config.instance, self.session, room, self.engine_version)
+        )
+        if not isinstance(reply, Work):
+            return
+        self.sync_to = reply.sync_to
+        for g in reply.groups:
+            group_id = str(g["group_id"])
+            if group_id in self.in_flight:
+                continue  # the scheduler re-issued a group we hold (our lease outlived it)
+            try:
+                await self._call(
+                    self.engine.add_group,
+                    group_id,
+                    str(g["prompt"]),
+                    int(g["n"]),
+                    dict(g.get("sampling") or {}),
+                )
+            except Exception:
+                # Not added: the scheduler sees the group missing from our heartbeats (or its
+                # lease expire) and requeues it, counted; this daemon keeps serving the rest.
+                self.failed_groups += 1
+                logger.exception("group %s not generated", group_id)
+                continue
+            self.in_flight[group_id] = time.monotonic()
+        if not reply.groups and reply.wait_s > 0 and not self.in_flight:
+            await asyncio.sleep(min(reply.wait_s, 1.0))
+
+    async def _submit(self, group_id: str, samples: list[dict[str, Any]]) -> None:
+        # Still held (listed in heartbeats) until the scheduler answers: a group whose submit
+        # is on its way must not look abandoned and be requeued.
+        self.submitting.add(group_id)
+        self.in_flight.pop(group_id, None)
+        try:
+            await self._submit_until_answered(group_id, samples)
+        finally:
+            self.submitting.discard(group_id)
+            if not self.in_flight and not self.submitting:
+                self._emptied.set()  # a drain waits for this
+
+    async def _submit_until_answered(self, group_id: str, samples: list[dict[str, Any]]) -> None:
+        # Retried until the scheduler answers: a finished group is never silently lost. If it
+        # refuses (the lease expired and the prompt was requeued), the group is dropped here
+        # and the scheduler has counted the requeue.
+        while True:
+            reply = await self._ask(
+                SubmitGroup(self.config.instance, self.session, group_id, samples)
+            )
+            if isinstance(reply, Ok):
+                self.submitted_groups += 1
+                return
+            if isinstance(reply, Error):
+                self.refused_groups += 1
+                logger.warning("group %s refused by the scheduler: %s", group_id, reply.message)
+                return
+            await asyncio.sleep(0.5)
+
+    async def _ask(self, command: Any) -> Any:  # noqa: ANN401 - a Command, and its Reply
+        try:
+            return await self.scheduler(command, REQUEST_TIMEOUT_S)
+        except (TimeoutError, ConnectionError) as e:
+            logger.info("scheduler at %s not answering: %s", self.config.scheduler, e)
+            return None
+
+    # -- weights --------------------------------------------------------------------------
+
+    async def _open_store(self) -> WeightStore:
+        self.activity = "waiting for the rollout store"
+        deadline = time.monotonic() + self.config.store_wait_s
+        while True:
+            try:
+                return WeightStore.open(
+                    self.config.rollout_store, root=self.config.store_root, readonly=True
+                )
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _first_version(self) -> int:
+        assert self.store is not None
+        self.activity = "waiting for a first version"
+        deadline = time.monotonic() + self.config.store_wait_s
+        while (version := self.store.active_version) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no version in {self.config.rollout_store} in time")
+            await asyncio.sleep(0.1)
+        return version
+
+    async def _refit(self, version: int) -> None:
+        """Load ``version`` into the engine (between steps) and prove what it loaded."""
+        self.activity = f"loading version {version}"
+        root = None if self.config.store_root is None else str(self.config.store_root)
+        t0 = time.monotonic()
+        # No expected version: the store may flip again before the worker's lease; whatever
+        # it leased is what gets loaded, checked and recorded.
+        try:
+            result = await self._call(
+                self.engine.update_weights, self.config.rollout_store, root, None
+            )
+        except Exception as e:
+            # What the engine holds is unknown now: generate nothing, and load again next
+            # round (engine_version None makes the loop retry).
+            self.refit_errors += 1
+            self.engine_version = None
+            self._last_digest = None
+            self.unverified = f"loading version {version} failed: {e}"
+            logger.exception("%s", self.unverified)
+            await asyncio.sleep(1.0)
+            return
+        seconds = time.monotonic() - t0
+        loaded = int(result["version"])  # the store may have flipped again: that one is loaded
+        expected = await self._expected_digest(loaded)
+        if expected is not None and expected != result["digest"]:
+            # Once more, every tensor: a partial load builds on what the engine held before.
+            logger.error(
+                "version %d: the engine's digest %s is not the manifest's %s; "
+                "loading every tensor again",
+                loaded,
+                result["digest"],
+                expected,
+            )
+            result = await self._call(
+                self.engine.update_weights,
+                self.config.rollout_store,
+                root,
+                None,
+                only_changed=False,
+            )
+            seconds = time.monotonic() - t0
+            if int(result["version"]) != loaded:  # the store flipped meanwhile
+                loaded = int(result["version"])
+                expected = await self._expected_digest(loaded)
+        ok = expected is not None and expected == result["digest"]
+        if ok:
+            self.verified += 1
+            self.unverified = None
+        else:
+            # Contract 1 inside the engine: no new work on weights that are not proven to be
+            # the trainer's. Groups in flight finish (their tokens carry this version); a later
+            # version that verifies lifts the hold.
+            self.mismatches += 1
+            self.unverified = (
+                f"version {loaded}: engine digest {result['digest']}, manifest {expected}"
+                if expected is not None
+                else f"version {loaded}: the apply agent reported no manifest digest"
+            )
+            logger.error("not generating: %s", self.unverified)
+        self.engine_version = loaded
+        self._last_digest = str(result["digest"])
+        self._recheck_at = time.monotonic() + 1.0
+        # "done": CLOCK_MONOTONIC, which every process on the host shares, so `deltarl up` can
+        # measure from the export agent's pick-up (its ``taken_at``) to here.
+        self.refits.append(
+            {
+                "version": loaded,
+                "seconds": round(seconds, 6),
+                "verified": ok,
+                "at": time.time(),
+                "done": time.monotonic(),
+            }
+        )
+        logger.info(
+            "engine at version %d (%.3f s, %s)",
+            loaded,
+            seconds,
+            "verified" if ok else "NOT VERIFIED",
+        )
+
+    async def _expected_digest(self, version: int, within_s: float = 3.0) -> str | None:
+        """The manifest's model digest of ``version``, as the apply agent reports it; None if
+        it does not within ``within_s`` (the loop goes on and asks again later)."""
+        if self.apply_status is None:
+            return None
+        deadline = time.monotonic() + within_s
+        while True:  # the apply agent reports a version right after its flip
+            try:
+                reply = await self.apply_status(max(0.2, within_s / 3))
+            except (TimeoutError, ConnectionError):
+                reply = None
+            if isinstance(reply, Status):
+                digest = (reply.fields.get("digests") or {}).get(str(version))
+                if digest is not None:
+                    return str(digest)
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.1)
+
+    # -- health ---------------------------------------------------------------------------
+
+    def tokens_per_s(self) -> float:
+        if len(self._rate) < 2:
+            return 0.0
+        span = self._rate[-1][0] - self._rate[0][0]
+        return 0.0 if span <= 0 else sum(n for _, n in list(self._rate)[1:]) / span
+
+    async def _heartbeats(self) -> None:
+        while True:
+            # ``held`` is complete (reports_held): the scheduler requeues any group issued to
+            # this session that is not listed, e.g. one whose Work reply was lost.
+            await self._ask(
+                Heartbeat(
+                    self.config.instance,
+                    self.session,
+                    self.engine_version,
+                    running_groups=len(self.in_flight),
+                    queue_depth=self.queued,
+                    tokens_per_s=round(self.tokens_per_s(), 3),
+                    held=[*self.in_flight, *self.submitting],
+                    reports_held=True,
+                )
+            )
+            self.context.notifier.status(f"{self.activity}; version {self.engine_version}")
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    # -- what the runtime asks -------------------------------------------------------------
+
+    def status_fields(self) -> dict[str, Any]:
+        return {
+            "engine": None if self.engine is None else self.engine.engine_name,
+            "instance": self.config.instance,
+            "session": self.session,
+            "weight_version": self.engine_version,
+            "running_groups": len(self.in_flight),
+            "queue_depth": self.queued,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": round(self.tokens_per_s(), 3),
+            "submitted_groups": self.submitted_groups,
+            "refused_groups": self.refused_groups,
+            "sync_to": self.sync_to,
+            "refits": list(self.refits),
+            "verified": self.verified,
+            "mismatches": self.mismatches,
+            "unverified": self.unverified,
+            "refit_errors": self.refit_errors,
+            "failed_groups": self.failed_groups,
+            "detail": self.activity,
+        }
+
+    async def drain(self) -> None:
+        """No new work; the groups in flight finish generating and are submitted. What is
+        still unfinished when the runtime's drain deadline cuts this short is handed back by
+        ``close``."""
+        self.draining = True
+        if self.in_flight or self.submitting:
+            self._emptied.clear()
+            await self._emptied.wait()
+
+    async def close(self) -> None:
+        if self.in_flight or self.submitting:
+            await self._hand_back()
+        if self.engine is not None:
+            # Queued behind any step still running on the engine thread.
+            await self._call(self.engine.close)
+        self._engine_thread.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+
+    async def _hand_back(self) -> None:
+        """Tell the scheduler this session holds nothing any more (a heartbeat with an empty
+        ``held``), so it requeues our unfinished groups at once instead of when their leases
+        run out. A group whose submit is being scored stays the scheduler's (it holds
+        groups it is scoring itself), so nothing is trained twice."""
+        lost = len(self.in_flight) + len(self.submitting)
+        try:
+            await self.scheduler(
+                Heartbeat(
+                    self.config.instance,
+                    self.session,
+                    self.engine_version,
+                    held=[],
+                    reports_held=True,
+                ),
+                HAND_BACK_TIMEOUT_S,
+            )
+        except (TimeoutError, ConnectionError) as e:
+            # Tolerated: the leases run out instead, and the groups are requeued then.
+            logger.warning("could not hand back %d groups: %s", lost, e)
+        else:
+            logger.info("handed %d unfinished groups back to the scheduler", lost)

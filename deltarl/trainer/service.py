@@ -1,0 +1,352 @@
+"""The trainer core: GRPO on the scheduler's sample pool; bf16 versions out.
+
+The logic of ``deltarl trainer`` with no socket (deltarl/daemons/trainer.py gives it the
+scheduler as an ``Ask`` and runs it on the daemon runtime). It owns a Hugging Face causal LM in
+fp32 (the master weights) and AdamW. Its loop:
+
+    TakeBatch(step, groups_per_step, version) --empty--> wait ``wait_s`` (or what it says)
+        v groups
+    GRPO step (deltarl.trainer.grpo), in the training thread
+    publish the bf16 weights as version ``step`` (deltarl.trainer.publisher)
+    StepDone(step, version, metrics)
+    every ``checkpoint_every`` steps: checkpoint, then Checkpointed(step)
+
+Torch work runs in one dedicated thread, so the event loop keeps answering control and
+pinging the watchdog; being a single thread it also orders the work: a checkpoint asked for at
+shutdown runs after the step in flight, never beside it.
+
+Resume (docs/architecture.md, "nothing lost"): the newest sound checkpoint holds the model,
+optimizer, RNG, step s and the data cursor (s + 1). A restarted trainer loads it, republishes
+its weights as version s if the store's active version is another one (a crash after s left
+later versions there), tells the scheduler Checkpointed(s) again (idempotent: the crash may
+have come between the file and the message) and asks for step s + 1. The scheduler returns the
+same groups for a step asked again, so steps s + 1 ... retrain bit-identically: no sample is
+skipped and none is trained twice into the weights that survive. A checkpoint is written only
+for a step whose StepDone the scheduler acknowledged, so every checkpointed step is in the run
+record.
+
+Stopping: ``pause`` holds after the step in flight; ``drain`` (SIGTERM) takes no new batch and
+lets the step in flight finish; then, and on ``shutdown`` too, ``close`` reports and
+checkpoints the last step before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from deltarl.daemons.config import ConfigError
+from deltarl.engine.daemon import DaemonCore, PauseGate
+from deltarl.engine.weight_store import SegmentFormatError
+from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
+from deltarl.trainer.checkpoint import Checkpointer
+from deltarl.trainer.grpo import BatchError, GRPOConfig, build_batch, train_step
+from deltarl.trainer.publisher import Publisher
+from deltarl.transport.messages import Command, Error, Ok, Reply
+
+if TYPE_CHECKING:
+    from deltarl.daemons.trainer import RLTrainerConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Ask = Callable[[Command, float], Awaitable[Reply]]
+"""A request to the scheduler with a timeout in seconds: its reply, or TimeoutError or
+ConnectionError (ControlClient.request is one)."""
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+FINISH_TIMEOUT_S = 5.0
+"""How long each message at shutdown may wait for the scheduler (it may be gone already)."""
+
+
+def load_model(model_dir: Path) -> nn.Module:
+    """The causal LM in ``model_dir`` in fp32, in eval mode (no dropout: see grpo.py).
+
+    Seed the RNGs first: a directory without weights is initialised from its config.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - heavy import
+
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model_dir {model_dir} holds no config.json (a Hugging Face model)")
+    if any((model_dir / name).is_file() for name in WEIGHT_FILES):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        config = AutoConfig.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    return model  # type: ignore[no-any-return]
+
+
+class TrainerService(DaemonCore):
+    """The training loop and its state; the process module adds the sockets."""
+
+    daemon: ClassVar[str] = "trainer"
+    pause_text: ClassVar[str] = "paused (after the step in flight)"
+
+    def __init__(self, config: RLTrainerConfig, scheduler: Ask) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.activity = "starting"
+        self.gate = PauseGate()
+        self.draining = False
+        self.step = 0
+        self.version = 0
+        self.checkpoint_step: int | None = None
+        self.reported_step = 0
+        """The last step whose StepDone the scheduler acknowledged."""
+        self.metrics: dict[str, Any] = {}
+        self.error: str | None = None
+        self.wait_reason = ""
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+        self._inflight: concurrent.futures.Future[Any] | None = None
+        self.model: nn.Module | None = None
+        self.reference: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.publisher: Publisher | None = None
+        self.checkpointer: Checkpointer | None = None
+        self._restored = False
+
+    # -- the torch side (runs in the training thread) -------------------------------------
+
+    def _setup(self) -> None:
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)  # a library may draw from numpy's global generator
+        model = load_model(cfg.model_dir)
+        if cfg.kl_coef > 0:
+            # The reference is the initial model; a restart rebuilds it the same way.
+            self.reference = copy.deepcopy(model).requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+        found = self.checkpointer.restore(model, optimizer)
+        if found is not None:
+            self.step, self.version = found.step, found.version
+            self.checkpoint_step = self.reported_step = found.step
+            self._restored = True
+            for group in optimizer.param_groups:
+                # The configuration may have been changed on purpose before this restart.
+                group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+        self.model, self.optimizer = model, optimizer
+        try:
+            self.publisher = Publisher(model, cfg.published_store, root=cfg.store_root)
+        except SegmentFormatError as e:
+            raise ConfigError(f"published_store {cfg.published_store!r}: {e}") from None
+        if self.publisher.active_version != self.version:
+            # Later versions in the store came from steps after the checkpoint; they will be
+            # retrained identically, and until then the store must show what the model is.
+            self.publisher.publish(self.version, allow_older=True)
+            what = "the checkpoint's weights" if self._restored else "the initial weights"
+            logger.info("published version %d (%s)", self.version, what)
+
+    def _train_and_publish(self, step: int, groups: list[Any]) -> dict[str, Any]:
+        if self.model is None or self.optimizer is None or self.publisher is None:
+            raise RuntimeError("the trainer is not set up")
+        cfg = self.config
+        t0 = time.perf_counter()
+        batch = build_batch(groups, pad_id=cfg.pad_token_id)  # BatchError: nothing changed
+        stats = train_step(
+            self.model,
+            self.optimizer,
+            batch,
+            GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch),
+            self.reference,
+        )
+        t1 = time.perf_counter()
+        self.publisher.publish(step)
+        t2 = time.perf_counter()
+        lags = [g["lag"] for g in groups if isinstance(g.get("lag"), int | float)]
+        metrics: dict[str, Any] = {
+            **asdict(stats),
+            # Which groups this step trained (id -> samples): lets the run record prove that no
+            # sample was trained in two steps, a replayed step replacing its own row.
+            "groups": {str(g.get("group_id")): len(g["samples"]) for g in groups},
+            "step_s": t1 - t0,
+            "publish_s": t2 - t1,
+            "lag_max": max(lags) if lags else None,
+        }
+        # Set here, not by the awaiting task: a shutdown may cancel it while this runs on.
+        self.step = self.version = step
+        self.metrics = metrics
+        return metrics
+
+    def _save_checkpoint(self) -> None:
+        if self.model is None or self.optimizer is None or self.checkpointer is None:
+            raise RuntimeError("the trainer is not set up")
+        self.checkpointer.save(
+            step=self.step,
+            version=self.version,
+            model=self.model,
+            optimizer=self.optimizer,
+            extra={"metrics": self.metrics, "model_dir": str(self.config.model_dir)},
+        )
+        self.checkpoint_step = self.step
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:  # noqa: ANN401
+        future = self._executor.submit(fn, *args)
+        self._inflight = future
+        return await asyncio.wrap_future(future)
+
+    # -- talking to the scheduler ---------------------------------------------------------
+
+    async def _ask(
+        self,
+        command: Command,
+        *,
+        retry: bool,
+        timeout: float | None = None,  # noqa: ASYNC109 - the request's own, sent with it
+    ) -> Reply | None:
+        """The scheduler's reply; while it does not answer, retry every ``wait_s`` (or, with
+        ``retry`` False, give up: None). Every message here is safe to repeat."""
+        while True:
+            try:
+                reply = await self.scheduler(command, timeout or self.config.request_timeout_s)
+            except (TimeoutError, ConnectionError) as e:
+                self.error = f"scheduler: {e}"
+                logger.warning("%s: %s", command.TAG, e)
+                if not retry:
+                    return None
+                await asyncio.sleep(self.config.wait_s)
+                continue
+            if isinstance(reply, Error):
+                self.error = f"scheduler refused {command.TAG}: {reply.code}: {reply.message}"
+                logger.error("%s", self.error)
+            return reply
+
+    async def _report_step(self, *, retry: bool, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        reply = await self._ask(
+            StepDone(self.step, self.version, self.metrics), retry=retry, timeout=timeout
+        )
+        if isinstance(reply, Ok):
+            self.reported_step = self.step
+
+    async def _checkpoint(self, *, retry: bool, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        self.activity = "checkpointing"
+        await self._in_thread(self._save_checkpoint)
+        await self._ask(Checkpointed(self.step), retry=retry, timeout=timeout)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.config
+        self.activity = "loading"
+        await self._in_thread(self._setup)
+        if self._restored:
+            await self._ask(Checkpointed(self.step), retry=True)
+        while True:
+            if cfg.max_steps and self.step >= cfg.max_steps:
+                if self.checkpoint_step != self.step:
+                    await self._checkpoint(retry=True)
+                self.activity = "finished"
+                await asyncio.Event().wait()  # keep serving control until shutdown
+            if self.gate.paused or self.draining:
+                self.activity = "drained" if self.draining else "paused"
+                await (asyncio.Event().wait() if self.draining else self.gate.resumed())
+                continue
+            step = self.step + 1
+            self.activity = "waiting for a batch"
+            reply = await self._ask(TakeBatch(step, cfg.groups_per_step, self.version), retry=True)
+            if not isinstance(reply, Batch) or reply.step != step:
+                if not isinstance(reply, Error):
+                    self.error = f"scheduler answered TakeBatch({step}) with {reply!r}"
+                    logger.error("%s", self.error)
+                await asyncio.sleep(cfg.wait_s)
+                continue
+            if not reply.groups:
+                self.wait_reason = reply.reason
+                await asyncio.sleep(reply.wait_s if reply.wait_s > 0 else cfg.wait_s)
+                continue
+            self.activity, self.wait_reason = "training", ""
+            try:
+                await self._in_thread(self._train_and_publish, step, list(reply.groups))
+            except BatchError as e:
+                # Skipping the batch would lose its samples, and a crash would come back to it:
+                # stall where status shows why, and ask again (the scheduler may fix it).
+                self.activity, self.error = "stalled", f"step {step}: {e}"
+                logger.error("cannot train step %d: %s", step, e)  # noqa: TRY400 - expected
+                await asyncio.sleep(cfg.wait_s * 10)
+                continue
+            self.error = None
+            logger.info(
+                "step %d: loss %.4f, reward %.3f, %d tokens, %.2f s",
+                step,
+                self.metrics["loss"],
+                self.metrics["reward_mean"],
+                self.metrics["tokens"],
+                self.metrics["step_s"],
+            )
+            await self._report_step(retry=True)
+            if step % cfg.checkpoint_every == 0 and self.reported_step == step:
+                await self._checkpoint(retry=True)
+
+    async def drain(self) -> None:
+        """No new batch; the step in flight finishes (``close`` then checkpoints it)."""
+        self.draining = True
+        if self._inflight is not None and not self._inflight.done():
+            await asyncio.wait([asyncio.wrap_future(self._inflight)])
+
+    async def close(self) -> None:
+        """After the loop stopped: let the step in flight end, checkpoint it, close."""
+        if self._inflight is not None and not self._inflight.done():
+            self.activity = "finishing the step in flight"
+            await asyncio.wait([asyncio.wrap_future(self._inflight)])
+        try:
+            ready = self.model is not None and self.checkpointer is not None
+            if ready and self.step != (self.checkpoint_step or 0):
+                if self.reported_step != self.step:
+                    await self._report_step(retry=False, timeout=FINISH_TIMEOUT_S)
+                if self.reported_step == self.step:
+                    await self._checkpoint(retry=False, timeout=FINISH_TIMEOUT_S)
+                else:
+                    logger.warning(
+                        "step %d is not in the scheduler's record, so it is not checkpointed; "
+                        "a restart retrains it from step %s",
+                        self.step,
+                        self.checkpoint_step,
+                    )
+        finally:
+            self._executor.shutdown(wait=True)
+            if self.publisher is not None:
+                self.publisher.close()
+
+    # -- what the runtime asks ---------------------------------------------------------------
+
+    def state(self) -> str:
+        return "paused" if self.gate.paused else self.activity
+
+    def status_fields(self) -> dict[str, Any]:
+        publisher = self.publisher
+        return {
+            "step": self.step,
+            "version": self.version,
+            "published_version": None if publisher is None else publisher.active_version,
+            "checkpoint_step": self.checkpoint_step,
+            "reported_step": self.reported_step,
+            "metrics": self.metrics,
+            "activity": self.activity,
+            "wait_reason": self.wait_reason,
+            "error": self.error,
+            "store": self.config.published_store,
+            "scheduler": self.config.scheduler,
+            "max_steps": self.config.max_steps,
+        }
