@@ -4,7 +4,7 @@ It owns a small model and AdamW at an RL learning rate (``sim.RealisticDeltas``)
 versions it publishes change about as sparsely as a real trainer's. It creates the published
 WeightStore and, every ``interval_s``, takes one optimizer step and commits the new bf16
 weights as the next version: the store's active version is the version counter the export
-agent watches. Control: ``status``, ``pause``, ``resume``, ``shutdown``.
+agent watches. Control: ``status``, ``pause``, ``resume``, ``drain``, ``shutdown``.
 
 Invariant: the published store's active version always equals ``RealisticDeltas.version``
 of the weights in it (one commit per step, with that step's number).
@@ -18,26 +18,28 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import Any, ClassVar
 
-from deltarl.daemons.config import EX_CONFIG, ConfigError, DaemonShell, TrainerConfig, load
-from deltarl.engine import loop
-from deltarl.transport.messages import GetStatus, Ok, Pause, Resume, Shutdown, Status
+from deltarl.daemons.config import EX_CONFIG, ConfigError, TrainerConfig, load
+from deltarl.daemons.process import CONFIG_ERRORS, run
+from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 
 logger = logging.getLogger(__name__)
 
 
-class SyntheticTrainer:
-    """The publishing loop; knows nothing about sockets (the shell adds them)."""
+class SyntheticTrainer(DaemonCore):
+    """The publishing loop; knows nothing about sockets (the daemon runtime adds them)."""
 
-    def __init__(self, config: TrainerConfig, shell_stop: asyncio.Event) -> None:
+    daemon: ClassVar[str] = "trainer"
+
+    def __init__(self, config: TrainerConfig) -> None:
         from deltarl.engine.weight_store import WeightStore  # noqa: PLC0415 - with torch below
         from deltarl.sim.realistic_deltas import RealisticDeltas  # noqa: PLC0415 - torch
 
         self.config = config
-        self.paused = False
+        self.gate = PauseGate()
         self.stepping = False
         self.loss: float | None = None
-        self._stop = shell_stop
         self.gen = RealisticDeltas(config.params, seed=config.seed)
         self.store = WeightStore.create(
             config.published_store, self.gen.layout, root=config.store_root
@@ -57,7 +59,7 @@ class SyntheticTrainer:
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.interval_s)
-            if self.paused or (cfg.steps and self.gen.version >= cfg.steps):
+            if self.gate.paused or (cfg.steps and self.gen.version >= cfg.steps):
                 continue
             # A step is CPU work; off the loop so control and the watchdog stay live. A step
             # in flight when ``pause`` arrives still publishes: ``stepping`` tells when it is done.
@@ -69,16 +71,14 @@ class SyntheticTrainer:
                 self.stepping = False
             logger.debug("published version %d (loss %.4f)", self.version, self.loss)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         # The segment is the trainer's: remove its name so a restart can create it again
         # (an export agent still attached keeps its mapping until it lets go).
         self.store.unlink()
         self.store.close()
 
-    # -- control handlers -----------------------------------------------------------------
-
-    async def on_status(self, _: GetStatus) -> Status:
-        fields = {
+    def status_fields(self) -> dict[str, Any]:
+        return {
             "version": self.version,
             "stepping": self.stepping,
             "store": self.config.published_store,
@@ -86,25 +86,16 @@ class SyntheticTrainer:
             "loss": self.loss,
             "steps_left": max(0, self.config.steps - self.version) if self.config.steps else None,
         }
-        return Status("trainer", "paused" if self.paused else "running", fields)
-
-    async def on_pause(self, _: Pause) -> Ok:
-        was, self.paused = self.paused, True
-        return Ok("already paused" if was else "paused")
-
-    async def on_resume(self, _: Resume) -> Ok:
-        was, self.paused = self.paused, False
-        return Ok("resumed" if was else "was not paused")
-
-    async def on_shutdown(self, _: Shutdown) -> Ok:
-        self._stop.set()
-        return Ok("stopping")
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="deltarl trainer", description=__doc__.splitlines()[0])
-    ap.add_argument("--synthetic", action="store_true", required=True,
-                    help="publish a simulated policy (the only trainer so far)")  # fmt: skip
+    ap.add_argument(
+        "--synthetic",
+        action="store_true",
+        required=True,
+        help="publish a simulated policy instead of training a model",
+    )
     ap.add_argument("--config", help="the deltarl TOML; reads [daemons.trainer]")
     ap.add_argument("--params", type=int, help="model parameters (overrides the config)")
     ap.add_argument("--store", help="published store name (overrides the config)")
@@ -133,33 +124,15 @@ def _config(args: argparse.Namespace) -> TrainerConfig:
     return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
 
 
-async def _amain(cfg: TrainerConfig) -> None:
-    stop = asyncio.Event()
-    trainer = SyntheticTrainer(cfg, stop)
-    shell = DaemonShell(
-        "trainer",
-        cfg.control,
-        {
-            GetStatus: trainer.on_status,
-            Pause: trainer.on_pause,
-            Resume: trainer.on_resume,
-            Shutdown: trainer.on_shutdown,
-        },
-        stop=stop,
-    )
-    try:
-        await shell.run(trainer.run())
-    finally:
-        trainer.close()
+async def _build(cfg: TrainerConfig, _: DaemonContext) -> SyntheticTrainer:
+    return SyntheticTrainer(cfg)
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     try:
-        cfg = _config(args)
-    except ConfigError as e:
+        return run("trainer", _config(args), _build)
+    except CONFIG_ERRORS as e:
         print(f"deltarl trainer: {e}", file=sys.stderr)
         return EX_CONFIG
-    loop.run(_amain(cfg))
-    return 0
