@@ -1,12 +1,13 @@
 """``deltarl up`` end to end on real vLLM, and kill -9 of the trainer and of the rollout daemon.
 
 These run the five real daemons as processes (vLLM on the CPU, single-process mode); they skip,
-saying why, where vLLM cannot be imported. The end-to-end test checks the JSON contract and what
-it claims: the engine is vLLM, every refit was verified inside the engine, the reward rose, and
-no sample was trained twice. The fault test kills the trainer and then the rollout daemon with
-SIGKILL mid-run, restarts each through the same entry point, and checks against the
-scheduler's own store that every prompt issued was trained exactly once or is still on its way
-(none trained twice, none lost), and that the trainer's reported groups agree with it.
+saying why, where vLLM is not installed (and fail where it is installed but broken). The
+end-to-end test checks the JSON contract and what it claims: the engine is vLLM, every refit
+was verified inside the engine, the reward rose, and no sample was trained twice. The fault
+test kills the trainer and then the rollout daemon with SIGKILL mid-run, restarts each through
+the same entry point, and checks against the scheduler's own store that every prompt issued
+was trained exactly once or is still on its way (none trained twice, none lost), and that the
+trainer's reported groups agree with it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ import orjson
 import pytest
 
 from deltarl import up
+from tests.installed import require_vllm
 
-try:
-    import vllm  # noqa: F401
-except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM here
-    pytest.skip(f"vLLM cannot be imported here: {e}", allow_module_level=True)
+require_vllm()
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,0 +1,154 @@
+"""The trainer core in one process, with no socket: the scheduler is an in-process ``Ask``.
+
+What the process tests (test_daemon.py) cover through real processes and kill -9 is here at
+the level of the core: steps are taken, reported and checkpointed in order; a scheduler that
+does not answer is waited for and said so; a drain lets the step in flight finish and the close
+checkpoints it; pause holds after the step in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltarl.daemons.trainer import RLTrainerConfig
+from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
+from deltarl.trainer.checkpoint import Checkpointer
+from deltarl.trainer.service import TrainerService
+from deltarl.transport.messages import Command, Ok, Reply
+from tests.trainer.test_checkpoint import synthetic_groups
+from tests.trainer.tiny import save_tiny_model
+
+
+@dataclass
+class Scheduler:
+    """Ships ``synthetic_groups`` for every step; records what the trainer told it."""
+
+    down_for: int = 0
+    """Answer this many requests with a timeout first."""
+    done: list[int] = field(default_factory=list)
+    checkpointed: list[int] = field(default_factory=list)
+    taken: list[int] = field(default_factory=list)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, command: Command, timeout_s: float) -> Reply:
+        if self.down_for > 0:
+            self.down_for -= 1
+            raise TimeoutError("scheduler down")
+        if isinstance(command, TakeBatch):
+            await self.gate.wait()
+            self.taken.append(command.step)
+            return Batch(command.step, synthetic_groups(command.step, groups=command.groups))
+        if isinstance(command, StepDone):
+            self.done.append(command.step)
+        elif isinstance(command, Checkpointed):
+            self.checkpointed.append(command.step)
+        return Ok()
+
+
+def _config(tmp_path: Path, **overrides: object) -> RLTrainerConfig:
+    values: dict[str, object] = {
+        "control": f"ipc://{tmp_path}/trainer.sock",
+        "scheduler": f"ipc://{tmp_path}/scheduler.sock",
+        "published_store": "pub",
+        "store_root": tmp_path,
+        "model_dir": save_tiny_model(tmp_path / "model"),
+        "checkpoint_dir": tmp_path / "ckpt",
+        "checkpoint_every": 2,
+        "groups_per_step": 2,
+        "micro_batch": 3,
+        "wait_s": 0.02,
+        "threads": 1,
+    }
+    values.update(overrides)
+    return RLTrainerConfig(**values)  # type: ignore[arg-type]
+
+
+async def _until(predicate: object, timeout_s: float = 60.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110 - state of a thread
+            await asyncio.sleep(0.01)
+
+
+def test_steps_are_reported_then_checkpointed(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler()
+        scheduler.gate.set()
+        trainer = TrainerService(_config(tmp_path, max_steps=3), scheduler)
+        run = asyncio.create_task(trainer.run())
+        await _until(lambda: trainer.activity == "finished")
+        run.cancel()
+        await asyncio.wait({run})
+        await trainer.close()
+        assert scheduler.done == [1, 2, 3]
+        # Every 2 steps, and at max_steps; each only after its StepDone was answered.
+        assert scheduler.checkpointed == [2, 3]
+        assert Checkpointer(tmp_path / "ckpt").steps() == [2, 3]
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_scheduler_is_waited_for_and_said(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler(down_for=3)
+        scheduler.gate.set()
+        trainer = TrainerService(_config(tmp_path, max_steps=1), scheduler)
+        run = asyncio.create_task(trainer.run())
+        await _until(lambda: trainer.error is not None)
+        assert "scheduler down" in str(trainer.status_fields()["error"])
+        await _until(lambda: trainer.activity == "finished")
+        run.cancel()
+        await asyncio.wait({run})
+        await trainer.close()
+        assert scheduler.done == [1]
+        assert trainer.error is None  # cleared by the step that went through
+
+    asyncio.run(scenario())
+
+
+def test_drain_finishes_the_step_in_flight_and_close_checkpoints_it(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler()
+        trainer = TrainerService(_config(tmp_path, checkpoint_every=100), scheduler)
+        run = asyncio.create_task(trainer.run())
+        await _until(lambda: trainer.activity == "waiting for a batch")
+        scheduler.gate.set()
+        await _until(lambda: trainer.activity == "training")
+        await asyncio.wait_for(trainer.drain(), 60)
+        assert trainer.step >= 1  # the step in flight finished
+        await asyncio.sleep(0.1)
+        taken = list(scheduler.taken)
+        await asyncio.sleep(0.2)
+        assert scheduler.taken == taken  # no new batch after the drain
+        run.cancel()
+        await asyncio.wait({run})
+        await trainer.close()
+        last = trainer.step
+        assert scheduler.done[-1] == last
+        assert scheduler.checkpointed == [last]  # no checkpoint was due: close wrote it
+
+    asyncio.run(scenario())
+
+
+def test_pause_holds_after_the_step_in_flight(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler()
+        scheduler.gate.set()
+        trainer = TrainerService(_config(tmp_path), scheduler)
+        run = asyncio.create_task(trainer.run())
+        await _until(lambda: trainer.step >= 1)
+        assert trainer.gate is not None
+        trainer.gate.pause()
+        await _until(lambda: trainer.activity == "paused")
+        assert trainer.state() == "paused"
+        held = trainer.step
+        await asyncio.sleep(0.3)
+        assert trainer.step == held
+        trainer.gate.resume()
+        await _until(lambda: trainer.step > held)
+        run.cancel()
+        await asyncio.wait({run})
+        await trainer.close()
+
+    asyncio.run(scenario())
