@@ -115,9 +115,25 @@ class ShapedLink:
                 _run(IP, "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
                 _run(IP, "-n", ns, "link", "set", dev, "up")
                 _run(IP, "-n", ns, "link", "set", "lo", "up")
-                _run(IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", dev, "root", "tbf",
-                     "rate", f"{self.rate_mbit}mbit", "burst", str(burst),
-                     "latency", "50ms")  # fmt: skip
+                _run(
+                    IP,
+                    "netns",
+                    "exec",
+                    ns,
+                    TC,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{self.rate_mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "50ms",
+                )
         except BaseException:
             self.down()
             raise

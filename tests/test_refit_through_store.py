@@ -61,8 +61,12 @@ def test_full_then_deltas_through_the_store(tmp_path):
         versions.append(gen.publish())
     encodings = []
     for v, buf in enumerate(versions):
-        e = enc.encode(buf, None if v == 0 else versions[v - 1],
-                       target_version=v, base_version=None if v == 0 else v - 1)  # fmt: skip
+        e = enc.encode(
+            buf,
+            None if v == 0 else versions[v - 1],
+            target_version=v,
+            base_version=None if v == 0 else v - 1,
+        )
         encodings.append((list(e), e.manifest))
     digests = {v: [t.xxh3_128 for t in m.tensors] for v, (_, m) in enumerate(encodings)}
 

@@ -257,12 +257,27 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
     table = tomllib.loads(commented_table(text, name))["daemons"][name]
     daemon = name.partition("-")[0]
     expected = {
-        "trainer": {"control", "scheduler", "published_store", "model_dir", "checkpoint_dir",
-                    "checkpoint_every", "lr", "groups_per_step"},
-        "scheduler": {"control", "db", "group_size", "groups_per_step", "pool_capacity",
-                      "max_policy_lag_steps", "on_lag_exceeded"},
+        "trainer": {
+            "control",
+            "scheduler",
+            "published_store",
+            "model_dir",
+            "checkpoint_dir",
+            "checkpoint_every",
+            "lr",
+            "groups_per_step",
+        },
+        "scheduler": {
+            "control",
+            "db",
+            "group_size",
+            "groups_per_step",
+            "pool_capacity",
+            "max_policy_lag_steps",
+            "on_lag_exceeded",
+        },
         "rollout": {"control", "scheduler", "rollout_store", "model_dir", "apply_control"},
-    }[daemon]  # fmt: skip
+    }[daemon]
     assert set(table) == expected
     assert f"deltarl {daemon} --help" in text  # where the keys are described
     # Uncommented, `deltarl ctl NAME status` finds the socket in the units' RuntimeDirectory.

@@ -5,7 +5,7 @@ range) and decodes positions and coded values into private arrays; it never touc
 weights. ``apply_chunk`` then writes the decoded values into a target buffer. A frame that
 fails any check raises FrameError naming what is wrong, and nothing has been written.
 
-Values are reference-coded (DESIGN.md: the receiver holds the reference, so a coder may
+Values are reference-coded (docs/architecture.md: the receiver holds the reference, so a coder may
 condition on it), and the new bits are written absolutely. Applying a chunk computes
 ``target[p] = decode(coded, reference[p])``: with the reference kept separate from the target
 (the apply agent reads the active buffer and writes the inactive one), applying a chunk twice
@@ -22,16 +22,11 @@ import numpy as np
 
 from deltarl.codecs import kernels
 from deltarl.codecs.checksum import chunk_checksum, model_digest, tensor_digest
-from deltarl.codecs.compression import decompress
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
     HEADER_SIZE,
-    KIND_DELTA,
-    KIND_FULL,
     NO_BASE,
-    POS_BITMAP,
     POS_DENSE,
-    POS_NAMES,
     POS_RICE,
     RECORD,
     STREAM,
@@ -39,13 +34,13 @@ from deltarl.codecs.frame import (
     STREAM_PLANE0,
     STREAM_RICE,
     STREAM_VALUES,
-    VAL_NAMES,
     VAL_RAW,
     FrameError,
     FrameHeader,
     RecordHeader,
     StreamHeader,
 )
+from deltarl.codecs.frame_checks import check_records, check_versions, read_streams
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.values import decode_values, from_planes
 from deltarl.engine.layout import Layout, dtype_of
@@ -141,7 +136,7 @@ def decode_chunk(
             f"chunk {header.chunk_id} of version {header.target}: checksum mismatch "
             f"(frame says {header.checksum:016x}, bytes hash to {actual:016x})"
         )
-    _check_versions(header, base, target)
+    check_versions(header, base, target)
 
     tables = header.n_records * RECORD.size + header.n_streams * STREAM.size
     if tables > len(body):
@@ -157,8 +152,8 @@ def decode_chunk(
         if r1 or r2:
             raise FrameError(f"stream {i}: reserved fields are not zero")
         streams.append(StreamHeader(kind, comp, raw_len, wire_len))
-    _check_records(header, records, layout)
-    raw = _read_streams(header, records, streams, body[tables:])
+    check_records(header, records, layout)
+    raw = read_streams(header, records, streams, body[tables:])
     sparse = _decode_sparse(records, raw, layout, scratch or DecodeScratch())
     dense = _split_planes(records, raw)
     return DecodedChunk(header, records, sparse, dense, len(buf))
@@ -294,107 +289,6 @@ class VersionApply:
         verify_tensors(self.layout, self.target, manifest)
 
 
-# -- validation helpers ---------------------------------------------------------------------
-
-
-def _check_versions(header: FrameHeader, base: int | None, target: int | None) -> None:
-    if target is not None and header.target != target:
-        raise FrameError(f"frame is for version {header.target}, expected version {target}")
-    if header.kind == KIND_DELTA:
-        if base is None:
-            raise FrameError(
-                f"delta {header.base}->{header.target} refused: the receiver holds no version"
-            )
-        if header.base != base:
-            raise FrameError(
-                f"delta {header.base}->{header.target} refused: the receiver holds version {base}"
-            )
-
-
-def _check_records(header: FrameHeader, records: list[RecordHeader], layout: Layout) -> None:
-    last: tuple[int, int] = (-1, 0)  # (tensor id, end) of the previous record
-    for i, r in enumerate(records):
-        where = f"record {i}"
-        if r.tensor_id >= len(layout):
-            raise FrameError(
-                f"{where}: tensor id {r.tensor_id} is not in the layout ({len(layout)})"
-            )
-        spec = layout.tensors[r.tensor_id]
-        where = f"record {i} ({spec.name!r})"
-        if r.itemsize != spec.itemsize:
-            raise FrameError(f"{where}: itemsize {r.itemsize}, the layout says {spec.itemsize}")
-        if r.pos_coding not in POS_NAMES:
-            raise FrameError(f"{where}: unknown position coding {r.pos_coding}")
-        if r.val_coding not in VAL_NAMES:
-            raise FrameError(f"{where}: unknown value coding {r.val_coding}")
-        if header.kind == KIND_FULL and (r.pos_coding != POS_DENSE or r.val_coding != VAL_RAW):
-            raise FrameError(f"{where}: a full frame must carry dense raw values")
-        if r.length == 0 or r.start + r.length > spec.numel:
-            raise FrameError(
-                f"{where}: range [{r.start}, {r.start + r.length}) is empty or outside "
-                f"the tensor's {spec.numel} elements"
-            )
-        if r.changed > r.length:
-            raise FrameError(f"{where}: {r.changed} changed elements in a range of {r.length}")
-        if (r.tensor_id, r.start) < last:
-            raise FrameError(f"{where}: overlaps or precedes the previous record")
-        last = (r.tensor_id, r.start + r.length)
-        if r.pos_coding == POS_DENSE:
-            if r.pos_len or r.val_len or r.pos_k or r.val_k:
-                raise FrameError(f"{where}: a dense record carries stream bytes or parameters")
-            continue
-        if r.changed == 0:
-            raise FrameError(f"{where}: a sparse record with no changed elements")
-        if r.pos_k >= kernels.POSITION_WIDTH or r.val_k >= min(32, 8 * r.itemsize):
-            raise FrameError(f"{where}: Rice parameters {r.pos_k}/{r.val_k} out of range")
-        if r.pos_coding == POS_BITMAP and (r.pos_k or r.pos_len != (r.length + 7) // 8):
-            raise FrameError(f"{where}: bitmap of {r.pos_len} bytes for {r.length} elements")
-        if r.val_coding == VAL_RAW:
-            raise FrameError(f"{where}: a sparse record must be reference-coded")
-
-
-def _read_streams(
-    header: FrameHeader,
-    records: list[RecordHeader],
-    streams: list[StreamHeader],
-    payload: memoryview,
-) -> dict[int, np.ndarray]:
-    expected: dict[int, int] = {}
-
-    def need(kind: int, n: int) -> None:
-        expected[kind] = expected.get(kind, 0) + n
-
-    for r in records:
-        if r.pos_coding == POS_DENSE:
-            for p in range(r.itemsize):
-                need(STREAM_PLANE0 + p, r.length)
-        else:
-            need(STREAM_RICE if r.pos_coding == POS_RICE else STREAM_BITMAP, r.pos_len)
-            need(STREAM_VALUES, r.val_len)
-    kinds = [s.kind for s in streams]
-    if len(set(kinds)) != len(kinds):
-        raise FrameError(f"a stream kind appears twice: {kinds}")
-    if sum(s.wire_len for s in streams) != len(payload):
-        raise FrameError(
-            f"streams claim {sum(s.wire_len for s in streams)} bytes; "
-            f"{len(payload)} follow the tables"
-        )
-    if sum(s.raw_len for s in streams) != header.raw_len:
-        raise FrameError("stream sizes do not add up to the header's raw length")
-    got = {s.kind: s.raw_len for s in streams if s.raw_len}
-    want = {k: v for k, v in expected.items() if v}
-    if got != want:
-        raise FrameError(f"stream sizes {got} do not match what the records need {want}")
-    out: dict[int, np.ndarray] = {}
-    off = 0
-    for s in streams:
-        wire = payload[off : off + s.wire_len]
-        off += s.wire_len
-        raw = decompress(s.compression, wire, s.raw_len, f"stream kind {s.kind}")
-        out[s.kind] = np.frombuffer(raw, np.uint8)
-    return out
-
-
 def _decode_sparse(
     records: list[RecordHeader],
     raw: dict[int, np.ndarray],
@@ -448,12 +342,21 @@ def _decode_sparse(
         errors = np.zeros(len(rs), np.int64)
         kernels.decode_sparse(
             itemsize * 8,
-            rice_src, np.array([pos_off[i] for i in group], np.int64),
-            np.array([r.pos_len for r in rs], np.int64), np.array([r.pos_k for r in rs], np.int64),
-            val_src, np.array([val_off[i] for i in group], np.int64),
-            np.array([r.val_len for r in rs], np.int64), np.array([r.val_k for r in rs], np.int64),
-            counts, np.array([r.length for r in rs], np.int64), out_off, positions, zval, errors,
-        )  # fmt: skip
+            rice_src,
+            np.array([pos_off[i] for i in group], np.int64),
+            np.array([r.pos_len for r in rs], np.int64),
+            np.array([r.pos_k for r in rs], np.int64),
+            val_src,
+            np.array([val_off[i] for i in group], np.int64),
+            np.array([r.val_len for r in rs], np.int64),
+            np.array([r.val_k for r in rs], np.int64),
+            counts,
+            np.array([r.length for r in rs], np.int64),
+            out_off,
+            positions,
+            zval,
+            errors,
+        )
         bad = np.flatnonzero(errors)
         if bad.size:
             j = int(bad[0])

@@ -10,8 +10,9 @@ first chunk can be sent while later tensors are still being diffed:
        least one chunk per wave, so sending starts after the first wave), zstd the byte
        planes of dense records, checksum, yield.
 
-The reference must be exactly what the receivers hold (DESIGN.md: the last transmitted
-version, never the trainer's previous step if it was not delivered). The encoder does not
+The reference must be exactly what the receivers hold (docs/architecture.md, "Why it pays:
+the reference": the last transmitted version, never the trainer's previous step if it was not
+delivered). The encoder does not
 keep one; its caller owns the reference and advances it only once a version is delivered.
 """
 
@@ -24,10 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltarl.codecs import kernels
-from deltarl.codecs.checksum import chunk_checksum, model_digest, tensor_digest
+from deltarl.codecs.checksum import model_digest, tensor_digest
 from deltarl.codecs.compression import DEFAULT_LEVEL, PlaneCompressor
 from deltarl.codecs.frame import (
-    HEADER_SIZE,
     KIND_DELTA,
     KIND_FULL,
     NO_BASE,
@@ -35,20 +35,14 @@ from deltarl.codecs.frame import (
     POS_DENSE,
     POS_NAMES,
     POS_RICE,
-    RECORD,
-    STREAM_BITMAP,
-    STREAM_PLANE0,
-    STREAM_RICE,
-    STREAM_VALUES,
     VAL_ORDERED_DELTA,
     VAL_RAW,
     VAL_XOR,
-    FrameHeader,
     RecordHeader,
-    StreamHeader,
 )
 from deltarl.codecs.manifest import ChunkEntry, RefitManifest, TensorEntry
-from deltarl.codecs.values import encode_values, to_planes
+from deltarl.codecs.packing import Chunk, Record, SparseScratch, TensorTally, pack_chunk
+from deltarl.codecs.values import encode_values
 from deltarl.engine.layout import Layout, dtype_of
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -56,37 +50,6 @@ DEFAULT_DENSE_THRESHOLD = 0.30
 # Items are the unit of parallel work and of a record; 1M elements keeps both cores busy on
 # a large tensor and keeps a record well under the chunk size.
 DEFAULT_ITEM_ELEMS = 1 << 20
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One encoded chunk, ready for the wire."""
-
-    chunk_id: int
-    data: bytes
-    checksum: int
-    n_records: int
-
-
-@dataclass
-class _Record:
-    header: RecordHeader
-    pos: bytes | memoryview = b""  # Rice or bitmap bytes (sparse records)
-    vals: bytes | memoryview = b""  # Rice-coded values (sparse records)
-    planes: np.ndarray | None = None  # coded values to split into byte planes (dense records)
-
-    @property
-    def raw_bytes(self) -> int:
-        dense = 0 if self.planes is None else self.planes.nbytes
-        return RECORD.size + len(self.pos) + len(self.vals) + dense
-
-
-@dataclass
-class _TensorTally:
-    coding: str = "unchanged"
-    changed: int = 0
-    wire_bytes: float = 0.0
-    digest: str = ""
 
 
 @dataclass
@@ -108,31 +71,6 @@ class VersionEncoding:
 
     def __iter__(self) -> Iterator[Chunk]:
         return self._chunks
-
-
-@dataclass
-class _Scratch:
-    """Output arrays of the sparse kernel, sized for the worst case, reused across versions.
-
-    Worst cases per element of an item: one position (uint32) and one coded value;
-    a Rice-coded gap costs at most 64 bits (unary < 32 plus k < 32, or the 32-bit escape plus
-    32 bits), a coded value at most twice its width (escape plus the value). Pages that are
-    never written are never committed, so the reservation costs address space, not memory.
-    """
-
-    pos: np.ndarray
-    zval: np.ndarray
-    pos_dst: np.ndarray
-    val_dst: np.ndarray
-
-    @classmethod
-    def sized(cls, elems: int, itemsize: int) -> _Scratch:
-        return cls(
-            np.empty(elems, np.uint32),
-            np.empty(elems, np.uint64),
-            np.empty(elems * 8 + 8, np.uint8),
-            np.empty(elems * 2 * itemsize + 8, np.uint8),
-        )
 
 
 class DeltaEncoder:
@@ -163,7 +101,7 @@ class DeltaEncoder:
         # most a quarter chunk of 8-byte elements keep every record well inside one chunk.
         # Multiples of 64 elements keep item starts word-aligned for the kernels.
         self.item_elems = max(64, min(item_elems, chunk_bytes // 4 // 8) // 64 * 64)
-        self._scratch: dict[int, _Scratch] = {}
+        self._scratch: dict[int, SparseScratch] = {}
 
     # -- public -----------------------------------------------------------------------------
 
@@ -205,9 +143,9 @@ class DeltaEncoder:
         base: int | None,
     ) -> Iterator[Chunk]:
         kind = KIND_FULL if ref is None else KIND_DELTA
-        tallies = [_TensorTally() for _ in self.layout.tensors]
+        tallies = [TensorTally() for _ in self.layout.tensors]
         entries: list[ChunkEntry] = []
-        pending: list[_Record] = []
+        pending: list[Record] = []
         pending_bytes = 0
 
         def flush() -> Chunk:
@@ -271,15 +209,15 @@ class DeltaEncoder:
         wave: list[int],
         cur: np.ndarray,
         ref: np.ndarray | None,
-        tallies: list[_TensorTally],
-    ) -> list[_Record]:
+        tallies: list[TensorTally],
+    ) -> list[Record]:
         t0 = time.perf_counter()
         for tid in wave:
             tallies[tid].digest = tensor_digest(self.layout.view(cur, tid))
         t1 = time.perf_counter()
         enc.timings.checksum_s += t1 - t0
 
-        records: list[_Record] = []
+        records: list[Record] = []
         # One kernel call per (width, float or int): the ordered delta differs between them.
         by_size: dict[tuple[int, str], list[int]] = {}
         for tid in wave:
@@ -314,8 +252,8 @@ class DeltaEncoder:
         )
 
     def _full_records(
-        self, tids: list[int], cur: np.ndarray, tallies: list[_TensorTally]
-    ) -> Iterator[_Record]:
+        self, tids: list[int], cur: np.ndarray, tallies: list[TensorTally]
+    ) -> Iterator[Record]:
         owner, starts, lengths, local = self._items(tids)
         bits = dtype_of(self.layout.tensors[tids[0]].dtype).bits
         flat = cur.view(bits)
@@ -325,12 +263,12 @@ class DeltaEncoder:
             header = RecordHeader(
                 int(tid), POS_DENSE, VAL_RAW, bits.itemsize, 0, 0, int(loc), int(n), int(n), 0, 0
             )
-            yield _Record(header, planes=flat[s : s + n])
+            yield Record(header, planes=flat[s : s + n])
 
-    def _scratch_for(self, itemsize: int, elems: int) -> _Scratch:
+    def _scratch_for(self, itemsize: int, elems: int) -> SparseScratch:
         have = self._scratch.get(itemsize)
         if have is None or have.pos.shape[0] < elems:
-            have = _Scratch.sized(elems, itemsize)
+            have = SparseScratch.sized(elems, itemsize)
             self._scratch[itemsize] = have
         return have
 
@@ -340,8 +278,8 @@ class DeltaEncoder:
         tids: list[int],
         cur: np.ndarray,
         ref: np.ndarray,
-        tallies: list[_TensorTally],
-    ) -> list[_Record]:
+        tallies: list[TensorTally],
+    ) -> list[Record]:
         owner, starts, lengths, local = self._items(tids)
         n_items = len(starts)
         out_off = np.zeros(n_items, np.int64)
@@ -354,10 +292,27 @@ class DeltaEncoder:
         # every tensor of one call has the same kind (_encode_wave groups by width and kind)
         is_float = dtype_of(self.layout.tensors[tids[0]].dtype).kind == "float"
         kernels.encode_sparse(
-            ref.view(bits), cur.view(bits), ref.view(np.uint64), cur.view(np.uint64),
-            starts, lengths, out_off, sc.pos, sc.zval, self.value_coding, is_float,
-            sc.pos_dst, pos_cap, sc.val_dst, val_cap, counts, pos_k, val_k, pos_len, val_len,
-        )  # fmt: skip
+            ref.view(bits),
+            cur.view(bits),
+            ref.view(np.uint64),
+            cur.view(np.uint64),
+            starts,
+            lengths,
+            out_off,
+            sc.pos,
+            sc.zval,
+            self.value_coding,
+            is_float,
+            sc.pos_dst,
+            pos_cap,
+            sc.val_dst,
+            val_cap,
+            counts,
+            pos_k,
+            val_k,
+            pos_len,
+            val_len,
+        )
 
         # Position coding per tensor: dense past the threshold, else the smaller of Rice and
         # a bitmap by exact size (Rice wins for scattered changes, bitmaps for long runs).
@@ -377,7 +332,7 @@ class DeltaEncoder:
             tallies[tid].coding = POS_NAMES[coding[tid]]
 
         cur_flat, ref_flat = cur.view(bits), ref.view(bits)
-        records: list[_Record] = []
+        records: list[Record] = []
         for i in range(n_items):
             tid, n, c = int(owner[i]), int(lengths[i]), int(counts[i])
             pc = coding.get(tid)
@@ -394,10 +349,11 @@ class DeltaEncoder:
                 "changed": c,
             }
             if pc == POS_DENSE:
-                values = encode_values(cur_flat[s : s + n], ref_flat[s : s + n],
-                                       self.value_coding, is_float)  # fmt: skip
+                values = encode_values(
+                    cur_flat[s : s + n], ref_flat[s : s + n], self.value_coding, is_float
+                )
                 header = RecordHeader(**head, pos_k=0, val_k=0, pos_len=0, val_len=0)
-                records.append(_Record(header, planes=values))
+                records.append(Record(header, planes=values))
                 continue
             # Copies, not views: the next wave reuses the scratch while these records wait
             # in a chunk that is not yet full.
@@ -409,9 +365,10 @@ class DeltaEncoder:
                 mask = np.zeros(n, np.bool_)
                 mask[sc.pos[o : o + c]] = True
                 posb, k = np.packbits(mask, bitorder="little").tobytes(), 0
-            header = RecordHeader(**head, pos_k=k, val_k=int(val_k[i]),
-                                  pos_len=len(posb), val_len=len(vals))  # fmt: skip
-            records.append(_Record(header, pos=posb, vals=vals))
+            header = RecordHeader(
+                **head, pos_k=k, val_k=int(val_k[i]), pos_len=len(posb), val_len=len(vals)
+            )
+            records.append(Record(header, pos=posb, vals=vals))
         return records
 
     def _build_chunk(
@@ -421,62 +378,13 @@ class DeltaEncoder:
         base: int | None,
         target: int,
         chunk_id: int,
-        records: list[_Record],
-        tallies: list[_TensorTally],
+        records: list[Record],
+        tallies: list[TensorTally],
     ) -> Chunk:
         t0 = time.perf_counter()
-        table = b"".join(r.header.pack() for r in records)
-        raw_streams: list[tuple[int, bytes | memoryview]] = []
-        for skind, parts in (
-            (STREAM_RICE, [r.pos for r in records if r.header.pos_coding == POS_RICE]),
-            (STREAM_BITMAP, [r.pos for r in records if r.header.pos_coding == POS_BITMAP]),
-            (STREAM_VALUES, [r.vals for r in records if r.vals]),
-        ):
-            if parts:
-                raw_streams.append((skind, b"".join(parts)))
-        dense = [r for r in records if r.planes is not None]
-        planes = [to_planes(r.planes) for r in dense if r.planes is not None]
-        for p in range(max((r.header.itemsize for r in dense), default=0)):
-            parts = [pl[p] for pl, r in zip(planes, dense, strict=True) if r.header.itemsize > p]
-            raw_streams.append((STREAM_PLANE0 + p, b"".join(memoryview(x) for x in parts)))
-
-        # Rice streams are near their entropy already; only bitmaps and planes go to zstd.
-        streams: list[tuple[StreamHeader, bytes | memoryview]] = []
-        ratio: dict[int, float] = {}
-        for skind, raw in raw_streams:
-            if skind in (STREAM_RICE, STREAM_VALUES):
-                comp, wire = 0, raw
-            else:
-                comp, wire = self._compressor.compress(raw)
-            streams.append((StreamHeader(skind, comp, len(raw), len(wire)), wire))
-            ratio[skind] = len(wire) / max(1, len(raw))
-
-        stream_table = b"".join(h.pack() for h, _ in streams)
-        body_parts: list[bytes | memoryview] = [table, stream_table, *(w for _, w in streams)]
-        body_len = sum(len(p) for p in body_parts)
-        raw_len = sum(h.raw_len for h, _ in streams)
-        header = FrameHeader(
-            kind, NO_BASE if base is None else base, target, chunk_id,
-            len(records), len(streams), body_len, raw_len, 0,
-        )  # fmt: skip
-        prefix = header.pack_prefix()
-        checksum = chunk_checksum([prefix, *body_parts])
-        data = b"".join([prefix, checksum.to_bytes(8, "little"), *body_parts])
-
-        # Attribute wire bytes to tensors: exact for Rice streams (stored raw), pro rata for
-        # zstd streams, and the chunk's fixed overhead shared equally among its records.
-        overhead = (HEADER_SIZE + len(stream_table)) / max(1, len(records))
-        for r in records:
-            h = r.header
-            share = RECORD.size + overhead + len(r.vals)
-            share += len(r.pos) * (
-                ratio.get(STREAM_BITMAP, 1.0) if h.pos_coding == POS_BITMAP else 1.0
-            )
-            if r.planes is not None:
-                share += sum(ratio[STREAM_PLANE0 + p] * r.planes.size for p in range(h.itemsize))
-            tallies[h.tensor_id].wire_bytes += share
+        chunk = pack_chunk(self._compressor, kind, base, target, chunk_id, records, tallies)
         enc.timings.pack_s += time.perf_counter() - t0
-        return Chunk(chunk_id, data, checksum, len(records))
+        return chunk
 
     def _check_buffer(self, what: str, buf: np.ndarray) -> None:
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.shape[0] != self.layout.nbytes:

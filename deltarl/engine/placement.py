@@ -62,7 +62,7 @@ class ModelShape:
     qkv_bias: bool
     """q/k/v projections carry a bias (Qwen2); o_proj never does here."""
     dtype: str = "bfloat16"
-    """Element type of the published weights (the trainer publishes bf16, see DESIGN.md)."""
+    """Element type of the published weights (the trainer publishes bf16)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -1,7 +1,7 @@
 """What every deltarl sqlite store does the same way: open, WAL, schema version, transactions.
 
 The manifest store (refit/) and the scheduler's store (scheduler/) are one engine used twice
-(DESIGN.md: run metadata "in the same engine as the manifest store"). A subclass names its
+(run metadata lives in the same engine as the manifest store). A subclass names its
 schema, its version and its error class; this base keeps the invariants:
 
 - writers run in WAL mode with ``synchronous=FULL``: a committed transaction survives a

@@ -1,7 +1,7 @@
 """Atomic training checkpoints: model, optimizer, RNG, step, version and data cursor in one file.
 
 One file per checkpoint, ``step-<step>.ckpt`` in the checkpoint directory, so the trainer state
-and the data cursor are saved together or not at all (DESIGN.md, contract 5). Writing:
+and the data cursor are saved together or not at all (docs/architecture.md, contract 5). Writing:
 
     1. ``torch.save`` into ``.step-<step>.ckpt.<pid>.<random>.tmp`` in the same directory,
        hashing the bytes as they are written, then a trailer: magic, payload length, xxh3-128

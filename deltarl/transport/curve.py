@@ -102,8 +102,12 @@ def secure_server(sock: zmq.asyncio.Socket, endpoint: str, keys: CurveKeys | Non
     if keys is None:
         if not _warned:
             _warned = True
-            logger.warning("control socket %s is not authenticated: set %s to a key directory "
-                           "(deltarl keys DIR)", endpoint, KEYS_ENV)  # fmt: skip
+            logger.warning(
+                "control socket %s is not authenticated: set %s to a key directory "
+                "(deltarl keys DIR)",
+                endpoint,
+                KEYS_ENV,
+            )
         return
     context = sock.context
     loop = asyncio.get_running_loop()

@@ -20,10 +20,25 @@ STEP_KEYS = {
 
 def test_bench_codec_json_shape_and_bit_exactness():
     out = subprocess.run(
-        [sys.executable, "-m", "deltarl.cli", "bench", "codec", "--params", "300000",
-         "--steps", "2", "--repeat", "1", "--json"],
-        capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deltarl.cli",
+            "bench",
+            "codec",
+            "--params",
+            "300000",
+            "--steps",
+            "2",
+            "--repeat",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout
     result = orjson.loads(lines[0])
@@ -45,10 +60,24 @@ def test_bench_codec_json_shape_and_bit_exactness():
 
 def test_bench_codec_table_names_the_targets():
     out = subprocess.run(
-        [sys.executable, "-m", "deltarl.cli", "bench", "codec", "--params", "100000",
-         "--steps", "1", "--repeat", "1"],
-        capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deltarl.cli",
+            "bench",
+            "codec",
+            "--params",
+            "100000",
+            "--steps",
+            "1",
+            "--repeat",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert "bit-exact" in out.stdout
     assert "x the bound" in out.stdout
     assert "x memcpy" in out.stdout

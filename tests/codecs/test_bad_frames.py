@@ -1,5 +1,5 @@
 """Truncated, corrupted and mis-versioned frames are refused with a FrameError that names what
-is wrong, and the target buffer is left exactly as it was (DESIGN.md contracts 3 and 6).
+is wrong, and the target buffer is left exactly as it was (docs/architecture.md, contracts 3 and 6).
 
 Header fields are edited and the checksum recomputed (forge.py), so only the field check
 can catch them. test_malicious_frames.py does the same for the tables and streams.

@@ -1,5 +1,5 @@
 """Malicious frames: valid checksums, lying tables and streams. Each is refused with a
-FrameError that names what is wrong, and nothing is written (DESIGN.md contract 6).
+FrameError that names what is wrong, and nothing is written (docs/architecture.md, contract 6).
 
 They are forged from a real chunk (forge.py) so that every other part stays valid and the one
 lie is what the decoder must catch.

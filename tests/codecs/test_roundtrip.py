@@ -1,5 +1,5 @@
 """decode(encode(ref, cur)) == cur, bit for bit, for every dtype, shape, density and setting
-(DESIGN.md contract 1), and the manifest tells the truth about what was encoded."""
+(docs/architecture.md, contract 1), and the manifest tells the truth about what was encoded."""
 
 from __future__ import annotations
 
@@ -29,27 +29,107 @@ from deltarl.codecs.manifest import RefitManifest
 from deltarl.engine.layout import Layout, dtype_of
 
 DTYPES = [
-    "bfloat16", "float16", "float32", "float64",
-    "int8", "uint8", "int16", "int32", "int64", "bool",
-]  # fmt: skip
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+]
 # Larger shapes first: hypothesis draws early entries more often, and shrinks towards them.
-SHAPES = [(4100,), (3, 2051), (20000,), (96, 128), (1000,), (33, 17), (65,), (64,), (7,),
-          (1,), (), (0,), (3, 0)]  # fmt: skip
+SHAPES = [
+    (4100,),
+    (3, 2051),
+    (20000,),
+    (96, 128),
+    (1000,),
+    (33, 17),
+    (65,),
+    (64,),
+    (7,),
+    (1,),
+    (),
+    (0,),
+    (3, 0),
+]
 DELTA_CODINGS = {"rice", "bitmap", "dense", "unchanged"}
 
 # Bit patterns that stress the value codings: signed zeros, infinities, NaNs with payloads
 # and either sign, subnormals, the largest finite values, one.
 SPECIALS: dict[str, list[int]] = {
-    "bfloat16": [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC1, 0x7FFF, 0xFFFF,
-                 0x0001, 0x8001, 0x007F, 0x807F, 0x7F7F, 0xFF7F, 0x3F80],
-    "float16": [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE01, 0x7FFF, 0xFFFF,
-                0x0001, 0x8001, 0x03FF, 0x83FF, 0x7BFF, 0xFBFF, 0x3C00],
-    "float32": [0x0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC00001,
-                0x7FFFFFFF, 0xFFFFFFFF, 0x1, 0x80000001, 0x007FFFFF, 0x7F7FFFFF, 0xFF7FFFFF],
-    "float64": [0x0, 1 << 63, 0x7FF0 << 48, 0xFFF0 << 48, 0x7FF8 << 48, (0x7FF0 << 48) | 1,
-                (0xFFF8 << 48) | 5, (1 << 63) - 1, (1 << 64) - 1, 0x1, (1 << 63) | 1,
-                0x7FEFFFFFFFFFFFFF, 0xFFEFFFFFFFFFFFFF, 0x3FF0 << 48],
-}  # fmt: skip
+    "bfloat16": [
+        0x0000,
+        0x8000,
+        0x7F80,
+        0xFF80,
+        0x7FC0,
+        0x7F81,
+        0xFFC1,
+        0x7FFF,
+        0xFFFF,
+        0x0001,
+        0x8001,
+        0x007F,
+        0x807F,
+        0x7F7F,
+        0xFF7F,
+        0x3F80,
+    ],
+    "float16": [
+        0x0000,
+        0x8000,
+        0x7C00,
+        0xFC00,
+        0x7E00,
+        0x7C01,
+        0xFE01,
+        0x7FFF,
+        0xFFFF,
+        0x0001,
+        0x8001,
+        0x03FF,
+        0x83FF,
+        0x7BFF,
+        0xFBFF,
+        0x3C00,
+    ],
+    "float32": [
+        0x0,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0x7F800001,
+        0xFFC00001,
+        0x7FFFFFFF,
+        0xFFFFFFFF,
+        0x1,
+        0x80000001,
+        0x007FFFFF,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+    ],
+    "float64": [
+        0x0,
+        1 << 63,
+        0x7FF0 << 48,
+        0xFFF0 << 48,
+        0x7FF8 << 48,
+        (0x7FF0 << 48) | 1,
+        (0xFFF8 << 48) | 5,
+        (1 << 63) - 1,
+        (1 << 64) - 1,
+        0x1,
+        (1 << 63) | 1,
+        0x7FEFFFFFFFFFFFFF,
+        0xFFEFFFFFFFFFFFFF,
+        0x3FF0 << 48,
+    ],
+}
 for _name in ("int8", "uint8", "int16", "int32", "int64"):
     _w = dtype_of(_name).itemsize * 8
     SPECIALS[_name] = [0, 1, 2, (1 << _w) - 1, 1 << (_w - 1), (1 << (_w - 1)) - 1]

@@ -34,8 +34,14 @@ from deltarl.rl.tiny_model import ensure_default_model
 from deltarl.rollout.engine import FinishedGroup, VllmEngine, VllmEngineConfig
 from deltarl.rollout.worker_ext import WeightVerificationError, layer_key, tensors_to_load
 
-SAMPLE_KEYS = {"prompt_token_ids", "token_ids", "logprobs", "token_versions", "text",
-               "finish_reason"}  # fmt: skip
+SAMPLE_KEYS = {
+    "prompt_token_ids",
+    "token_ids",
+    "logprobs",
+    "token_versions",
+    "text",
+    "finish_reason",
+}
 _ids = itertools.count()
 
 

@@ -11,9 +11,16 @@ from deltarl.daemons.scheduler import main as scheduler_main
 from deltarl.scheduler.config import Sampling, SchedulerConfig
 
 
-@pytest.mark.parametrize(("key", "value"), [("temperature", 0.0), ("temperature", 0.7),
-                                            ("temperature", 1.5), ("top_p", 0.9999),
-                                            ("top_p", 0.5)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("temperature", 0.0),
+        ("temperature", 0.7),
+        ("temperature", 1.5),
+        ("top_p", 0.9999),
+        ("top_p", 0.5),
+    ],
+)
 def test_sampling_other_than_temperature_and_top_p_one_is_refused(key: str, value: float) -> None:
     with pytest.raises(ValueError, match=rf"{key} must be 1.0.*importance ratio"):
         Sampling(**{key: value})

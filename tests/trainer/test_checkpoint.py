@@ -30,15 +30,17 @@ def synthetic_groups(step: int, groups: int = 2, n: int = 4) -> list[dict]:
         for _ in range(n):
             length = int(torch.randint(1, 6, (1,), generator=g))
             completion = torch.randint(0, 256, (length,), generator=g).tolist()
-            samples.append({
-                "prompt_token_ids": prompt,
-                "token_ids": completion,
-                "logprobs": (-5.5 + 0.1 * torch.randn(length, generator=g)).tolist(),
-                "token_versions": [step - 1] * length,
-                "text": "",
-                "finish_reason": "length",
-                "reward": float(torch.rand(1, generator=g)),
-            })  # fmt: skip
+            samples.append(
+                {
+                    "prompt_token_ids": prompt,
+                    "token_ids": completion,
+                    "logprobs": (-5.5 + 0.1 * torch.randn(length, generator=g)).tolist(),
+                    "token_versions": [step - 1] * length,
+                    "text": "",
+                    "finish_reason": "length",
+                    "reward": float(torch.rand(1, generator=g)),
+                }
+            )
         out.append({"group_id": f"s{step}g{gi}", "prompt_id": gi, "samples": samples, "lag": 0})
     return out
 

@@ -28,8 +28,9 @@ async def _status(endpoint: str, curve: CurveKeys | None) -> Status | None:
     return reply
 
 
-def _serve_and_ask(endpoint: str, server: CurveKeys | None,
-                   clients: list[CurveKeys | None]) -> list[Status | None]:  # fmt: skip
+def _serve_and_ask(
+    endpoint: str, server: CurveKeys | None, clients: list[CurveKeys | None]
+) -> list[Status | None]:
     async def go() -> list[Status | None]:
         async def status(_: GetStatus) -> Status:
             return Status("probe", "running", {})
@@ -44,8 +45,13 @@ def test_only_authorized_clients_are_answered(tmp_path: Path) -> None:
     keys = CurveKeys.load(make_keys(tmp_path / "keys"))
     # a second cluster's client: a valid key pair, not listed in our authorized/
     other = CurveKeys.load(make_keys(tmp_path / "other"))
-    stranger = CurveKeys(keys.directory, keys.server_public, keys.server_secret,
-                         other.client_public, other.client_secret)  # fmt: skip
+    stranger = CurveKeys(
+        keys.directory,
+        keys.server_public,
+        keys.server_secret,
+        other.client_public,
+        other.client_secret,
+    )
     got = _serve_and_ask("tcp://127.0.0.1:*", keys, [keys, None, stranger])
     assert got[0] is not None
     assert got[0].daemon == "probe"
@@ -86,9 +92,12 @@ db = "{tmp_path}/s.sqlite"
 """)
     proc = subprocess.run(
         [sys.executable, "-m", "deltarl.cli", "scheduler", "--config", str(config)],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
         env={**os.environ, "DELTARL_CURVE_KEYS": str(d)},
-    )  # fmt: skip
+    )
     assert proc.returncode == 78, proc.stderr
     assert "DELTARL_CURVE_KEYS" in proc.stderr
 
@@ -96,8 +105,11 @@ db = "{tmp_path}/s.sqlite"
 def test_deltarl_keys_command(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "deltarl.cli", "keys", str(tmp_path / "k")],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "DELTARL_CURVE_KEYS" in out.stdout
     assert oct((tmp_path / "k").stat().st_mode & 0o777) == "0o700"
     assert oct((tmp_path / "k" / "server.key_secret").stat().st_mode & 0o777) == "0o600"

@@ -1,0 +1,131 @@
+"""A chunk's checks before anything is decoded: its versions, its records, its streams.
+
+Every field a frame carries is checked against the receiver's state and layout before a byte
+is decoded or written (docs/architecture.md, contract 6): a frame for another version, a
+record outside its tensor, overlapping records, stream sizes that do not add up, unknown
+codings. Each refusal is a FrameError that names the record and what is wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deltarl.codecs import kernels
+from deltarl.codecs.compression import decompress
+from deltarl.codecs.frame import (
+    KIND_DELTA,
+    KIND_FULL,
+    POS_BITMAP,
+    POS_DENSE,
+    POS_NAMES,
+    POS_RICE,
+    STREAM_BITMAP,
+    STREAM_PLANE0,
+    STREAM_RICE,
+    STREAM_VALUES,
+    VAL_NAMES,
+    VAL_RAW,
+    FrameError,
+    FrameHeader,
+    RecordHeader,
+    StreamHeader,
+)
+from deltarl.engine.layout import Layout
+
+
+def check_versions(header: FrameHeader, base: int | None, target: int | None) -> None:
+    if target is not None and header.target != target:
+        raise FrameError(f"frame is for version {header.target}, expected version {target}")
+    if header.kind == KIND_DELTA:
+        if base is None:
+            raise FrameError(
+                f"delta {header.base}->{header.target} refused: the receiver holds no version"
+            )
+        if header.base != base:
+            raise FrameError(
+                f"delta {header.base}->{header.target} refused: the receiver holds version {base}"
+            )
+
+
+def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layout) -> None:
+    last: tuple[int, int] = (-1, 0)  # (tensor id, end) of the previous record
+    for i, r in enumerate(records):
+        where = f"record {i}"
+        if r.tensor_id >= len(layout):
+            raise FrameError(
+                f"{where}: tensor id {r.tensor_id} is not in the layout ({len(layout)})"
+            )
+        spec = layout.tensors[r.tensor_id]
+        where = f"record {i} ({spec.name!r})"
+        if r.itemsize != spec.itemsize:
+            raise FrameError(f"{where}: itemsize {r.itemsize}, the layout says {spec.itemsize}")
+        if r.pos_coding not in POS_NAMES:
+            raise FrameError(f"{where}: unknown position coding {r.pos_coding}")
+        if r.val_coding not in VAL_NAMES:
+            raise FrameError(f"{where}: unknown value coding {r.val_coding}")
+        if header.kind == KIND_FULL and (r.pos_coding != POS_DENSE or r.val_coding != VAL_RAW):
+            raise FrameError(f"{where}: a full frame must carry dense raw values")
+        if r.length == 0 or r.start + r.length > spec.numel:
+            raise FrameError(
+                f"{where}: range [{r.start}, {r.start + r.length}) is empty or outside "
+                f"the tensor's {spec.numel} elements"
+            )
+        if r.changed > r.length:
+            raise FrameError(f"{where}: {r.changed} changed elements in a range of {r.length}")
+        if (r.tensor_id, r.start) < last:
+            raise FrameError(f"{where}: overlaps or precedes the previous record")
+        last = (r.tensor_id, r.start + r.length)
+        if r.pos_coding == POS_DENSE:
+            if r.pos_len or r.val_len or r.pos_k or r.val_k:
+                raise FrameError(f"{where}: a dense record carries stream bytes or parameters")
+            continue
+        if r.changed == 0:
+            raise FrameError(f"{where}: a sparse record with no changed elements")
+        if r.pos_k >= kernels.POSITION_WIDTH or r.val_k >= min(32, 8 * r.itemsize):
+            raise FrameError(f"{where}: Rice parameters {r.pos_k}/{r.val_k} out of range")
+        if r.pos_coding == POS_BITMAP and (r.pos_k or r.pos_len != (r.length + 7) // 8):
+            raise FrameError(f"{where}: bitmap of {r.pos_len} bytes for {r.length} elements")
+        if r.val_coding == VAL_RAW:
+            raise FrameError(f"{where}: a sparse record must be reference-coded")
+
+
+def read_streams(
+    header: FrameHeader,
+    records: list[RecordHeader],
+    streams: list[StreamHeader],
+    payload: memoryview,
+) -> dict[int, np.ndarray]:
+    expected: dict[int, int] = {}
+
+    def need(kind: int, n: int) -> None:
+        expected[kind] = expected.get(kind, 0) + n
+
+    for r in records:
+        if r.pos_coding == POS_DENSE:
+            for p in range(r.itemsize):
+                need(STREAM_PLANE0 + p, r.length)
+        else:
+            need(STREAM_RICE if r.pos_coding == POS_RICE else STREAM_BITMAP, r.pos_len)
+            need(STREAM_VALUES, r.val_len)
+    kinds = [s.kind for s in streams]
+    if len(set(kinds)) != len(kinds):
+        raise FrameError(f"a stream kind appears twice: {kinds}")
+    if sum(s.wire_len for s in streams) != len(payload):
+        raise FrameError(
+            f"streams claim {sum(s.wire_len for s in streams)} bytes; "
+            f"{len(payload)} follow the tables"
+        )
+    if sum(s.raw_len for s in streams) != header.raw_len:
+        raise FrameError("stream sizes do not add up to the header's raw length")
+    got = {s.kind: s.raw_len for s in streams if s.raw_len}
+    want = {k: v for k, v in expected.items() if v}
+    if got != want:
+        raise FrameError(f"stream sizes {got} do not match what the records need {want}")
+    out: dict[int, np.ndarray] = {}
+    off = 0
+    for s in streams:
+        wire = payload[off : off + s.wire_len]
+        off += s.wire_len
+        raw = decompress(s.compression, wire, s.raw_len, f"stream kind {s.kind}")
+        out[s.kind] = np.frombuffer(raw, np.uint8)
+    return out
