@@ -1,0 +1,92 @@
+"""``DaemonGroup`` with real daemons: start, status, waves of drain, a death, a timeout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from deltarl.launch import DaemonDied, DaemonGroup, WaitTimeout
+from deltarl.transport.messages import Drain, Ok, Status
+
+
+def _group(tmp: Path, *names: str, bad: str | None = None) -> DaemonGroup:
+    tables = []
+    for name in names:
+        lag = '"wait"' if name == bad else '"drop"'  # "wait" is refused: exit 78
+        tables.append(f"""
+[daemons.{name}]
+control = "ipc://{tmp}/{name}.sock"
+db = "{tmp}/{name}.sqlite"
+on_lag_exceeded = {lag}
+""")
+    config = tmp / "deltarl.toml"
+    config.write_text("".join(tables))
+    return DaemonGroup(tmp, config, {n: f"ipc://{tmp}/{n}.sock" for n in names})
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def test_daemons_start_answer_and_stop_in_waves(tmp: Path) -> None:
+    group = _group(tmp, "first", "second")
+    try:
+        for name in ("first", "second"):
+            group.start(name, daemon="scheduler")
+        group.wait("both answer", lambda: all(group.status(n) for n in ("first", "second")), 60)
+        status = group.status("first")
+        assert isinstance(status, Status)
+        assert status.fields["runtime"]["pid"] == group.procs["first"].pid
+        codes = group.stop(waves=[["second"]], timeout_s=60)
+        stopped = list(codes)
+    finally:
+        group.stop(timeout_s=10)
+    assert codes == {"second": 0, "first": 0}
+    assert stopped == ["second", "first"]  # the named wave first, then the rest
+    assert group.log("first").stat().st_size > 0
+
+
+def test_a_daemon_that_exits_is_reported_not_waited_for(tmp: Path) -> None:
+    group = _group(tmp, "good", "broken", bad="broken")
+    try:
+        group.start("good", daemon="scheduler")
+        group.start("broken", daemon="scheduler")
+        with pytest.raises(DaemonDied, match="broken exited with status 78"):
+            group.wait("something that never happens", lambda: False, 60)
+        assert "on_lag_exceeded" in group.tail("broken")
+        assert "broken" in group.logs()
+    finally:
+        codes = group.stop(timeout_s=30)
+    assert codes == {"good": 0, "broken": 78}
+
+
+def test_a_wait_runs_out_and_a_drain_is_answered(tmp: Path) -> None:
+    group = _group(tmp, "only")
+    try:
+        group.start("only", daemon="scheduler")
+        group.wait("it answers", lambda: group.status("only") is not None, 60)
+        started = time.monotonic()
+        with pytest.raises(WaitTimeout, match="waiting for the impossible"):
+            group.wait("the impossible", lambda: False, 0.5)
+        assert time.monotonic() - started < 5
+        reply = group.request("only", Drain())
+        assert isinstance(reply, Ok), reply
+        assert reply.detail.startswith("draining")
+        assert group.procs["only"].wait(60) == 0  # a drained daemon exits by itself
+    finally:
+        group.stop(timeout_s=10)
+    assert group.request("only", Drain(), timeout_s=0.3) is None  # nobody answers now
+
+
+def test_kill_reports_the_signal(tmp: Path) -> None:
+    group = _group(tmp, "victim")
+    try:
+        group.start("victim", daemon="scheduler")
+        group.wait("it answers", lambda: group.status("victim") is not None, 60)
+        assert group.kill("victim") == -9
+        assert group.dead() == "victim exited with status -9"
+    finally:
+        group.stop(timeout_s=10)
