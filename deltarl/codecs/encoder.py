@@ -150,7 +150,9 @@ class DeltaEncoder:
 
         def flush() -> Chunk:
             nonlocal pending, pending_bytes
-            chunk = self._build_chunk(enc, kind, base, target, len(entries), pending, tallies)
+            t0 = time.perf_counter()
+            chunk = pack_chunk(self._compressor, kind, base, target, len(entries), pending, tallies)
+            enc.timings.pack_s += time.perf_counter() - t0
             entries.append(ChunkEntry(chunk.chunk_id, len(chunk.data), chunk.checksum))
             pending, pending_bytes = [], 0
             return chunk
@@ -370,21 +372,6 @@ class DeltaEncoder:
             )
             records.append(Record(header, pos=posb, vals=vals))
         return records
-
-    def _build_chunk(
-        self,
-        enc: VersionEncoding,
-        kind: int,
-        base: int | None,
-        target: int,
-        chunk_id: int,
-        records: list[Record],
-        tallies: list[TensorTally],
-    ) -> Chunk:
-        t0 = time.perf_counter()
-        chunk = pack_chunk(self._compressor, kind, base, target, chunk_id, records, tallies)
-        enc.timings.pack_s += time.perf_counter() - t0
-        return chunk
 
     def _check_buffer(self, what: str, buf: np.ndarray) -> None:
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.shape[0] != self.layout.nbytes:
