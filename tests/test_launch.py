@@ -53,6 +53,9 @@ def test_a_daemon_that_exits_is_reported_not_waited_for(tmp: Path) -> None:
     group = _group(tmp, "good", "broken", bad="broken")
     try:
         group.start("good", daemon="scheduler")
+        # Up before the broken one starts: a SIGTERM that lands while a daemon still imports
+        # (before its handler is installed) ends it with -15 instead of a drain.
+        group.wait("good answers", lambda: group.status("good") is not None, 60)
         group.start("broken", daemon="scheduler")
         with pytest.raises(DaemonDied, match="broken exited with status 78"):
             group.wait("something that never happens", lambda: False, 60)
