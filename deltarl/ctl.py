@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import sys
-import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from deltarl.config import CONFIG_ENV, ConfigError, config_path, load_config
 from deltarl.rl.protocol import REPLIES as RL_REPLIES
 from deltarl.rl.protocol import GetHistory, History
 from deltarl.transport.control import (
@@ -58,12 +57,7 @@ EXIT_ERROR_REPLY = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
-CONFIG_ENV = "DELTARL_CONFIG"
-DEFAULT_CONFIG = Path("/etc/deltarl/deltarl.toml")
-
-COMMAND_NAMES = (
-    "status", "pause", "resume", "drain", "resync", "rollback", "shutdown", "history"
-)  # fmt: skip
+COMMAND_NAMES = ("status", "pause", "resume", "drain", "resync", "rollback", "shutdown", "history")
 
 
 class TargetError(ValueError):
@@ -75,30 +69,6 @@ class TargetError(ValueError):
     def __init__(self, message: str, code: str = "config") -> None:
         super().__init__(message)
         self.code = code
-
-
-def load_config(path: Path) -> dict[str, Any]:
-    """The configuration at ``path``: JSON if it ends in ``.json``, TOML otherwise."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TargetError(f"cannot read config {path}: {e.strerror}") from None
-    try:
-        config = orjson.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode())
-    except (orjson.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise TargetError(f"config {path} is not valid: {e}") from None
-    if not isinstance(config, dict):
-        raise TargetError(f"config {path} must be a table/object at the top level")
-    return config
-
-
-def config_path(explicit: str | None, environ: Mapping[str, str] = os.environ) -> Path | None:
-    """Which configuration to read: the flag, the environment, the default if it exists."""
-    if explicit:
-        return Path(explicit)
-    if environ.get(CONFIG_ENV):
-        return Path(environ[CONFIG_ENV])
-    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
 
 def resolve_target(target: str, path: Path | None) -> str:
@@ -115,7 +85,10 @@ def resolve_target(target: str, path: Path | None) -> str:
             f" (use --config FILE or set {CONFIG_ENV}, or give an ipc:// or tcp:// endpoint)",
             "unknown_target",
         )
-    daemons = load_config(path).get("daemons", {})
+    try:
+        daemons = load_config(path).get("daemons", {})
+    except ConfigError as e:
+        raise TargetError(str(e)) from None
     if not isinstance(daemons, dict):
         raise TargetError(f"config {path}: 'daemons' must be a table")
     entry = daemons.get(target)
@@ -186,18 +159,40 @@ def _cell(value: Any, digits: int = 3) -> str:  # noqa: ANN401 - a JSON value
 
 def format_history(history: History) -> str:
     """One line per step: version, reward (the feedback signal), samples, lag, timings."""
-    header = ("step", "trainer v", "version", "reward", "std", "samples", "lag", "max lag",
-              "gen s", "queue s", "step s", "ckpt")  # fmt: skip
+    header = (
+        "step",
+        "trainer v",
+        "version",
+        "reward",
+        "std",
+        "samples",
+        "lag",
+        "max lag",
+        "gen s",
+        "queue s",
+        "step s",
+        "ckpt",
+    )
     rows = [header]
     for s in history.steps:
         metrics = s.get("metrics") or {}
         step_s = metrics.get("step_s", metrics.get("seconds"))
-        rows.append((
-            _cell(s.get("step")), _cell(s.get("trainer_version")), _cell(s.get("version")),
-            _cell(s.get("reward_mean")), _cell(s.get("reward_std")), _cell(s.get("samples")),
-            _cell(s.get("lag_mean"), 2), _cell(s.get("lag_max")), _cell(s.get("gen_s_mean")),
-            _cell(s.get("queue_s_mean")), _cell(step_s), "yes" if s.get("checkpointed") else "no",
-        ))  # fmt: skip
+        rows.append(
+            (
+                _cell(s.get("step")),
+                _cell(s.get("trainer_version")),
+                _cell(s.get("version")),
+                _cell(s.get("reward_mean")),
+                _cell(s.get("reward_std")),
+                _cell(s.get("samples")),
+                _cell(s.get("lag_mean"), 2),
+                _cell(s.get("lag_max")),
+                _cell(s.get("gen_s_mean")),
+                _cell(s.get("queue_s_mean")),
+                _cell(step_s),
+                "yes" if s.get("checkpointed") else "no",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     if not history.steps:

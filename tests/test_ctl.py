@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from deltarl import ctl
+from deltarl.config import files as config_files
 from deltarl.transport.messages import Status
 
 # A stand-in daemon: status, pause and shutdown handlers, nothing else (so "rollback" is
@@ -121,7 +122,7 @@ def test_unknown_target_exits_2_and_lists_the_known_ones(daemon, capsys):
 
 def test_unknown_target_without_config(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv(ctl.CONFIG_ENV, raising=False)
-    monkeypatch.setattr(ctl, "DEFAULT_CONFIG", tmp_path / "absent.toml")
+    monkeypatch.setattr(config_files, "DEFAULT_CONFIG", tmp_path / "absent.toml")
     assert ctl.main(["demo", "status", "--json"]) == ctl.EXIT_USAGE
     report = orjson.loads(capsys.readouterr().out)
     assert report["error"]["code"] == "unknown_target"
@@ -218,7 +219,7 @@ def test_endpoint_targets_skip_the_config():
 
 
 def test_config_path_precedence(tmp_path, monkeypatch):
-    monkeypatch.setattr(ctl, "DEFAULT_CONFIG", tmp_path / "absent.toml")
+    monkeypatch.setattr(config_files, "DEFAULT_CONFIG", tmp_path / "absent.toml")
     assert ctl.config_path("a.toml", {ctl.CONFIG_ENV: "b.toml"}) == Path("a.toml")
     assert ctl.config_path(None, {ctl.CONFIG_ENV: "b.toml"}) == Path("b.toml")
     assert ctl.config_path(None, {}) is None

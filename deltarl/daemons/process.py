@@ -19,7 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from deltarl.daemons.config import EX_CONFIG, ConfigError, load
+from deltarl.config import EX_CONFIG, ConfigError, load
 from deltarl.engine import loop
 from deltarl.engine.daemon import DEFAULT_DRAIN_TIMEOUT_S, DaemonContext, DaemonCore, serve
 from deltarl.engine.supervisor import EscalationError

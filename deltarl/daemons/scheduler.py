@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 
-from deltarl.daemons.config import ConfigError
+from deltarl.config import ConfigError
+from deltarl.config.rl import SchedulerConfig
 from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
-from deltarl.scheduler.config import SchedulerConfig
 from deltarl.scheduler.service import SchedulerService
 from deltarl.scheduler.store import SchedulerStore, SchedulerStoreError
 

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-from deltarl.daemons.config import EX_CONFIG, ConfigError, TrainerConfig, load
+from deltarl.config import EX_CONFIG, ConfigError, load
+from deltarl.config.refit import TrainerConfig
 from deltarl.daemons.process import CONFIG_ERRORS, run
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 

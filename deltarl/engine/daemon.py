@@ -75,7 +75,8 @@ from deltarl.transport.messages import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below the shortest TimeoutStopSec of the units (30 s)
+from deltarl.config.base import DEFAULT_DRAIN_TIMEOUT_S  # noqa: E402
+
 COMMAND_TIMEOUT_S = 30.0  # a core command waiting in the mailbox and running, at most
 
 

@@ -57,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from deltarl.config.rl import SchedulerConfig
 from deltarl.engine.daemon import DaemonCore, PauseGate
 from deltarl.rl.protocol import (
     RL_COMMANDS,
@@ -72,7 +73,6 @@ from deltarl.rl.protocol import (
     Work,
 )
 from deltarl.rl.task import Task, make_task, mix64
-from deltarl.scheduler.config import SchedulerConfig
 from deltarl.scheduler.policy import (
     Candidates,
     DispatchPolicy,

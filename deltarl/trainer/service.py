@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from deltarl.daemons.config import ConfigError
+from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonCore, PauseGate
 from deltarl.engine.weight_store import SegmentFormatError
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
@@ -57,7 +57,7 @@ from deltarl.trainer.publisher import Publisher
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
 if TYPE_CHECKING:
-    from deltarl.daemons.trainer import RLTrainerConfig
+    from deltarl.config.rl import RLTrainerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ backend, chosen by ``config.type``:
     "stream"  stream.py     across regions: parallel TCP connections, acks, resume
     "ucx"     ucx_link.py   inside a region: RDMA through UCX (the ``ucx`` extra)
 
-What every backend promises (the receiver's side of DESIGN.md contract 3, "replay-safe"):
+What every backend promises (the receiver's side of contract 3, "replay-safe", in
+docs/architecture.md):
 - chunks and manifests arrive in any order, byte-exact; the receiver checks nothing about
   their content (the apply agent verifies each chunk's checksum and the manifest);
 - a chunk or manifest received twice is delivered once (``DeliveredSet``);
@@ -26,14 +27,11 @@ import asyncio
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self, Union
+from typing import Any, Self
 
-if TYPE_CHECKING:
-    from deltarl.transport.ucx_link import UcxLinkConfig
+from deltarl.transport.link_config import LinkConfig
 
-SHM_ROOT = Path("/dev/shm")  # noqa: S108 - tmpfs shared memory, not a temp file
 MAX_VERSION = (1 << 63) - 1  # versions are i64 in the chunk frame (codecs/frame.py)
 MAX_CHUNK_ID = (1 << 32) - 1
 
@@ -71,118 +69,6 @@ class ReceivedManifest:
 
 
 Received = ReceivedChunk | ReceivedManifest
-
-
-# -- configs ----------------------------------------------------------------------------------
-
-
-def _positive(owner: str, **values: float | None) -> None:
-    for name, value in values.items():
-        if value is not None and value <= 0:
-            raise ValueError(f"{owner}.{name} must be positive, got {value}")
-
-
-@dataclass(frozen=True)
-class ShmLinkConfig:
-    """A same-host link through files in shared memory (shm_link.py)."""
-
-    type: Literal["shm"] = "shm"
-    name: str = "default"
-    """The link's name: its directory is ``<root>/deltarl-link-<name>``. One receiver per name."""
-    root: Path = SHM_ROOT
-    """Where the link directory lives; tmpfs, so a chunk file is memory, not disk."""
-    endpoint: str | None = None
-    """The ZeroMQ notice socket; default ``ipc://<directory>/notify.sock``."""
-    max_pending_chunks: int = 8
-    """Chunk files this sender may have written that the receiver has not yet released. This
-    bounds the shared memory a slow receiver can make the sender fill; the sender waits."""
-    pending_timeout_s: float = 120.0
-    """How long the sender waits for room (see ``max_pending_chunks``) before raising."""
-    connect_timeout_s: float | None = 120.0
-    """How long the sender waits for a receiver to be listening; None waits forever."""
-    verify_checksum: bool = True
-    """The receiver hashes each file (xxh3-64) against its notice: a file replaced or cut in
-    shared memory is refused here rather than reported as a bad chunk by the decoder."""
-    max_manifest_bytes: int = 64 << 20
-    """Manifests travel inside the notice; a larger one is refused."""
-    keep_versions: int = 8
-    """Versions whose delivered chunk ids the receiver remembers, to drop duplicates."""
-
-    def __post_init__(self) -> None:
-        _positive(
-            "ShmLinkConfig",
-            max_pending_chunks=self.max_pending_chunks,
-            pending_timeout_s=self.pending_timeout_s,
-            connect_timeout_s=self.connect_timeout_s,
-            max_manifest_bytes=self.max_manifest_bytes,
-            keep_versions=self.keep_versions,
-        )
-
-    @property
-    def directory(self) -> Path:
-        return Path(self.root) / f"deltarl-link-{self.name}"
-
-
-@dataclass(frozen=True)
-class StreamLinkConfig:
-    """A cross-region link over parallel TCP connections with acks and resume (stream.py)."""
-
-    type: Literal["stream"] = "stream"
-    host: str = "127.0.0.1"
-    """The receiver's address: where it listens, and where the sender connects."""
-    port: int = 0
-    """The receiver's port; 0 lets the receiver pick one (read it back from ``address``)."""
-    connections: int = 4
-    """Parallel TCP connections; chunks go round-robin. One stream rarely fills a long, fat
-    pipe (its window grows slowly after a loss), several together do."""
-    compress: bool = True
-    """zstd each payload, keeping the result only when it is smaller."""
-    compression_level: int = 3
-    window_bytes: int = 512 << 20
-    """Payload bytes sent but not yet acknowledged, at most; ``send_chunk`` waits for room.
-    The sender keeps exactly these bytes to resend after a cut, so this bounds its memory."""
-    max_frame_bytes: int = 256 << 20
-    """The largest payload a peer accepts (after decompression too); larger frames are refused."""
-    ack_timeout_s: float = 120.0
-    """A connection with unacknowledged frames that hears nothing for this long is treated as
-    cut. A receiver whose consumer stalls this long looks the same, and is reconnected."""
-    connect_timeout_s: float = 10.0
-    max_attempts: int = 8
-    """Connection attempts in a row without an acknowledgement before the sender gives up."""
-    backoff_s: float = 0.1
-    """The first retry's delay; it doubles per attempt, with jitter, up to ``backoff_max_s``."""
-    backoff_max_s: float = 5.0
-    queue_size: int = 16
-    """Received items waiting for the consumer; when full, the receiver stops reading its
-    sockets, and TCP's flow control slows the sender."""
-    keep_versions: int = 8
-    """Versions whose delivered chunk ids the receiver remembers (for dedup and resume)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"StreamLinkConfig.port must lie in [0, 65535], got {self.port}")
-        if not 1 <= self.compression_level <= 22:
-            raise ValueError(
-                f"StreamLinkConfig.compression_level must lie in [1, 22], "
-                f"got {self.compression_level}"
-            )
-        _positive(
-            "StreamLinkConfig",
-            connections=self.connections,
-            window_bytes=self.window_bytes,
-            max_frame_bytes=self.max_frame_bytes,
-            ack_timeout_s=self.ack_timeout_s,
-            connect_timeout_s=self.connect_timeout_s,
-            max_attempts=self.max_attempts,
-            backoff_s=self.backoff_s,
-            backoff_max_s=self.backoff_max_s,
-            queue_size=self.queue_size,
-            keep_versions=self.keep_versions,
-        )
-
-
-# UcxLinkConfig lives in ucx_link.py, which imports this module: hence the forward reference.
-LinkConfig = Union[ShmLinkConfig, StreamLinkConfig, "UcxLinkConfig"]
 
 
 # -- the interface ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ files are unlinked) and waits while there are ``max_pending_chunks``, up to
 ``pending_timeout_s``, then raises LinkError. Nothing is dropped silently.
 
 What this link does not promise: acknowledgements. On one host the only loss is a receiver
-crash, and a receiver that restarts gets a full version (DESIGN.md contract 4).
+crash, and a receiver that restarts gets a full version (docs/architecture.md, contract 4).
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ from deltarl.transport.base import (
     Received,
     ReceivedChunk,
     ReceivedManifest,
-    ShmLinkConfig,
     check_ids,
     fingerprint,
 )
+from deltarl.transport.link_config import ShmLinkConfig
 
 logger = logging.getLogger(__name__)
 

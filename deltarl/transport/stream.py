@@ -24,7 +24,7 @@ and the manifest. Every connection runs one task, a loop of these states:
 Backpressure and memory: the sender keeps every frame until it is acknowledged (it may have
 to resend it), and at most ``window_bytes`` of them; ``send_chunk`` waits for room. Acked
 frames are forgotten, so a receiver that restarts and loses what it held is not refilled
-from here: it gets a full version through the control plane (DESIGN.md contract 4).
+from here: it gets a full version through the control plane (docs/architecture.md, contract 4).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltarl.transport.base import ChunkSender, LinkError, StreamLinkConfig, check_ids
+from deltarl.transport.base import ChunkSender, LinkError, check_ids
+from deltarl.transport.link_config import StreamLinkConfig
 from deltarl.transport.stream_receiver import ReceiverStats, StreamReceiver
 from deltarl.transport.stream_wire import (
     MSG_ACK,

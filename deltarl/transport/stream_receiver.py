@@ -29,9 +29,9 @@ from deltarl.transport.base import (
     Received,
     ReceivedChunk,
     ReceivedManifest,
-    StreamLinkConfig,
     fingerprint,
 )
+from deltarl.transport.link_config import StreamLinkConfig
 from deltarl.transport.stream_wire import (
     MSG_ACK,
     MSG_CHUNK,

@@ -42,7 +42,7 @@ import os
 import struct
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from deltarl.transport.base import (
     ChunkReceiver,
@@ -53,10 +53,10 @@ from deltarl.transport.base import (
     Received,
     ReceivedChunk,
     ReceivedManifest,
-    _positive,
     check_ids,
     fingerprint,
 )
+from deltarl.transport.link_config import UcxLinkConfig
 from deltarl.transport.stream_wire import WireError
 
 if TYPE_CHECKING:  # ucxx itself is imported on first use (see _ucxx)
@@ -75,51 +75,6 @@ TO_SENDER = {CHUNK_ACK: "chunk ack", MANIFEST_ACK: "manifest ack"}
 _CLOSE_GRACE_S = 1.0
 
 Key = tuple[int, int, int]  # (kind, version, chunk id): what an ack names
-
-
-@dataclass(frozen=True)
-class UcxLinkConfig:
-    """An intra-region link over UCX: RDMA where present, else tcp and shared memory."""
-
-    type: Literal["ucx"] = "ucx"
-    host: str = "127.0.0.1"
-    """Where the sender connects. The receiver listens on every interface: ucxx's listener
-    takes a port only."""
-    port: int = 0
-    """The receiver's port; 0 lets UCX pick one (read it back from ``address``)."""
-    connect_timeout_s: float = 10.0
-    """One connection attempt, UCX's handshake included."""
-    max_attempts: int = 8
-    """Connection attempts in a row before the sender gives up with LinkError."""
-    backoff_s: float = 0.1
-    """The first retry's delay; it doubles per attempt, up to ``backoff_max_s``."""
-    backoff_max_s: float = 5.0
-    ack_timeout_s: float = 120.0
-    """The longest a send may block, and the longest ``send_manifest`` waits without hearing an
-    acknowledgement. A receiver whose consumer stalls this long looks the same as a dead one."""
-    max_frame_bytes: int = 1 << 30
-    """The largest payload the receiver accepts; a header announcing more drops the
-    connection before anything is allocated."""
-    queue_size: int = 16
-    """Received items waiting for the consumer; when full, the receiver stops pulling
-    payloads, and the sender's sends wait."""
-    keep_versions: int = 8
-    """Versions whose delivered chunk ids the receiver remembers, to drop duplicates."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"UcxLinkConfig.port must lie in [0, 65535], got {self.port}")
-        _positive(
-            "UcxLinkConfig",
-            connect_timeout_s=self.connect_timeout_s,
-            max_attempts=self.max_attempts,
-            backoff_s=self.backoff_s,
-            backoff_max_s=self.backoff_max_s,
-            ack_timeout_s=self.ack_timeout_s,
-            max_frame_bytes=self.max_frame_bytes,
-            queue_size=self.queue_size,
-            keep_versions=self.keep_versions,
-        )
 
 
 # -- wire -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from deltarl.daemons.rollout import RolloutConfig
+from deltarl.config.rl import RolloutConfig
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import Heartbeat, SubmitGroup
 from deltarl.rollout.service import RolloutService

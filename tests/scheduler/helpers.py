@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from deltarl.config.rl import SchedulerConfig
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
-from deltarl.scheduler.config import SchedulerConfig
 from deltarl.scheduler.service import SchedulerService
 from deltarl.scheduler.store import SchedulerStore
 

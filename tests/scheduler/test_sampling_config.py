@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from deltarl.daemons.config import ConfigError, load
+from deltarl.config import ConfigError, load
+from deltarl.config.rl import Sampling, SchedulerConfig
 from deltarl.daemons.scheduler import main as scheduler_main
-from deltarl.scheduler.config import Sampling, SchedulerConfig
 
 
 @pytest.mark.parametrize(

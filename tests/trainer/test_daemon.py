@@ -27,8 +27,8 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
-from deltarl.daemons.config import ConfigError, load
-from deltarl.daemons.trainer import RLTrainerConfig
+from deltarl.config import ConfigError, load
+from deltarl.config.rl import RLTrainerConfig
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deltarl.daemons.trainer import RLTrainerConfig
+from deltarl.config.rl import RLTrainerConfig
 from deltarl.trainer.grpo import (
     ADV_EPS,
     BatchError,

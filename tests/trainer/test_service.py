@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltarl.daemons.trainer import RLTrainerConfig
+from deltarl.config.rl import RLTrainerConfig
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
 from deltarl.trainer.checkpoint import Checkpointer
 from deltarl.trainer.service import TrainerService

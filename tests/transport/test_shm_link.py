@@ -20,10 +20,10 @@ from deltarl.transport.base import (
     LinkError,
     ReceivedChunk,
     ReceivedManifest,
-    ShmLinkConfig,
     make_receiver,
     make_sender,
 )
+from deltarl.transport.link_config import ShmLinkConfig
 from deltarl.transport.shm_link import (
     CHUNK_FILE,
     KIND_CHUNK,
@@ -130,7 +130,8 @@ def test_a_sender_in_another_process_that_exits_at_once_is_still_heard(
         f"""
         import asyncio
         from pathlib import Path
-        from deltarl.transport.base import ShmLinkConfig, make_sender
+        from deltarl.transport.base import make_sender
+        from deltarl.transport.link_config import ShmLinkConfig
 
         async def main():
             config = ShmLinkConfig(name={config.name!r}, root=Path({str(config.root)!r}))

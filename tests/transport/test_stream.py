@@ -25,11 +25,10 @@ from deltarl.transport.base import (
     LinkError,
     ReceivedChunk,
     ReceivedManifest,
-    ShmLinkConfig,
-    StreamLinkConfig,
     make_receiver,
     make_sender,
 )
+from deltarl.transport.link_config import ShmLinkConfig, StreamLinkConfig
 from deltarl.transport.shm_link import ShmReceiver, ShmSender
 from deltarl.transport.stream import StreamReceiver, StreamSender
 from deltarl.transport.stream_wire import (

@@ -19,15 +19,9 @@ from deltarl.transport.base import (
     make_receiver,
     make_sender,
 )
+from deltarl.transport.link_config import UcxLinkConfig
 from deltarl.transport.stream_wire import WireError
-from deltarl.transport.ucx_link import (
-    CHUNK,
-    UcxLinkConfig,
-    UcxReceiver,
-    UcxSender,
-    pack_header,
-    unpack_header,
-)
+from deltarl.transport.ucx_link import CHUNK, UcxReceiver, UcxSender, pack_header, unpack_header
 
 ucxx = pytest.importorskip("ucxx", reason="the ucx extra (ucxx) is not installed")
 

@@ -1,0 +1,31 @@
+"""What every daemon's configuration class is: one ``[daemons.NAME]`` table each.
+
+One style throughout: a frozen dataclass whose field docstrings are the reference of its keys;
+the loader (``tables.build``) checks types and builds nested tables; ``__post_init__`` checks
+the rest with ``deltarl.config.checks``. Every class has ``drain_timeout_s`` (keyword only):
+how long ``drain`` (``systemctl stop``) may take before the daemon stops anyway; keep it below
+the unit's ``TimeoutStopSec`` (30 s in systemd/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from deltarl.config.checks import endpoints, positive
+
+DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below the shortest TimeoutStopSec of the units (30 s)
+
+
+@dataclass(frozen=True)
+class DaemonTable:
+    """What every daemon's table has."""
+
+    drain_timeout_s: float = field(default=DEFAULT_DRAIN_TIMEOUT_S, kw_only=True)
+
+    def __post_init__(self) -> None:
+        positive(self, "drain_timeout_s")
+        endpoints(self, *(f.name for f in dataclasses.fields(self) if f.name in _ENDPOINTS))
+
+
+_ENDPOINTS = ("control", "events", "apply_control", "apply_events", "scheduler")

@@ -1,0 +1,203 @@
+"""The RL loop's tables: ``[daemons.rollout]``, ``[daemons.trainer]`` (GRPO) and
+``[daemons.scheduler]`` with its ``sampling``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from deltarl.config.base import DaemonTable
+from deltarl.config.checks import non_negative, positive
+
+
+@dataclass(frozen=True)
+class RolloutConfig(DaemonTable):
+    control: str
+    scheduler: str
+    """The scheduler's control endpoint (work, samples, heartbeats)."""
+    rollout_store: str
+    """The apply agent's store: the weights this engine serves."""
+    apply_control: str | None = None
+    """Accepted for older configurations and unused: the engine's weights are proven against
+    the model digest the apply agent commits into the rollout store with each version."""
+    store_root: Path | None = None
+    model_dir: Path | None = None
+    """A Hugging Face model directory (config, tokenizer); None: the embedded default model."""
+    instance: str = "rollout"
+    """This engine's name at the scheduler (unique per engine)."""
+    max_running_groups: int = 8
+    heartbeat_s: float = 1.0
+    idle_s: float = 0.05
+    """How long to wait when there is nothing to generate."""
+    store_wait_s: float = 600.0
+    """How long to wait for the apply agent's store to hold a first version."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Knobs of ``VllmEngineConfig`` (max_model_len, kv_cache_gb, seed, ...)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "max_running_groups", "heartbeat_s", "idle_s", "store_wait_s")
+
+
+@dataclass(frozen=True)
+class RLTrainerConfig(DaemonTable):
+    """The ``[daemons.trainer]`` table of the real trainer."""
+
+    control: str
+    """The trainer's control endpoint (ROUTER)."""
+    scheduler: str
+    """The scheduler's control endpoint: TakeBatch, StepDone, Checkpointed go there."""
+    published_store: str
+    """The weight store the bf16 versions are committed into (the export agent reads it)."""
+    model_dir: Path
+    """A Hugging Face causal-LM directory: config.json, and weights (without them the model
+    is initialised from the config with ``seed``)."""
+    checkpoint_dir: Path
+    store_root: Path | None = None
+    """Directory of the weight stores; None: /dev/shm."""
+    checkpoint_every: int = 10
+    """Steps between checkpoints (and at ``max_steps`` and on a clean shutdown)."""
+    keep_checkpoints: int = 3
+    lr: float = 5e-3
+    """AdamW's learning rate. The default suits the tiny random-init models of ``deltarl up``:
+    measured on a 90k-parameter Qwen2 rewarded for tokens of one eighth of its vocabulary,
+    20 steps of 8 groups x 8 samples took the rewarded mass from 0.12 to 0.9 at 5e-3 (0.35 at
+    2e-3, 0.2 at 1e-3; 1e-2 saturates at 1.0 by step 15, a collapse risk on a real task);
+    tests/trainer/test_grpo.py holds it to that. A pretrained model wants 1e-6 .. 1e-5."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay; 0: RL post-training should not pull the pretrained
+    weights towards zero, only towards more reward."""
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the initial model; > 0 keeps a frozen copy of it."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0: none (the norm is still reported)."""
+    groups_per_step: int = 4
+    max_steps: int = 0
+    """Stop training after this step (keep serving control); 0: never."""
+    seed: int = 0
+    micro_batch: int = 8
+    """Samples per forward/backward pass."""
+    pad_token_id: int = 0
+    """Fills the padding (it is masked, so any id in the vocabulary does)."""
+    wait_s: float = 0.5
+    """How long to wait when the scheduler has no batch and names no wait, or is not there."""
+    request_timeout_s: float = 30.0
+    threads: int = 0
+    """Torch intra-op threads; 0: torch's default. Bit-exact resume needs the same number."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("checkpoint_every", "keep_checkpoints", "groups_per_step", "micro_batch"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
+        positive(self, "lr", "clip_eps", "wait_s", "request_timeout_s")
+        non_negative(self, "weight_decay", "kl_coef", "max_grad_norm", "max_steps", "threads")
+
+
+LagAction = Literal["throttle", "drop", "sync"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every group is generated with (``Work.groups[i]["sampling"]``, plus a seed).
+
+    ``temperature`` and ``top_p`` must be 1.0: anything else is refused (a configuration
+    error, so the daemon exits 78). The GRPO importance ratio divides the trainer's
+    log-probability of each token by the engine's, and the two must be of the same
+    distribution. The trainer computes the plain ``log_softmax`` of the logits
+    (``deltarl.trainer.grpo``), while vLLM records "processed" log-probabilities, after
+    temperature scaling and top-p truncation; with any other value the ratio would be off
+    by a per-token factor nobody sees, and training would silently go wrong.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        for key in ("temperature", "top_p"):
+            value = getattr(self, key)
+            if value != 1.0:
+                raise ValueError(
+                    f"sampling: {key} must be 1.0, got {value}: the trainer computes plain "
+                    "log_softmax(logits) while the engine records log-probabilities after "
+                    "temperature and top-p, so any other value silently breaks the GRPO "
+                    "importance ratio"
+                )
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling: max_tokens >= 1 is required, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(DaemonTable):
+    control: str
+    """The scheduler's control endpoint: rollout daemons, the trainer and ``ctl`` talk to it."""
+    db: Path
+    """The sqlite store (deltarl.scheduler.store): cursor, groups, counters, run metadata."""
+    task: str = "default"
+    """The task by name (deltarl.rl.task.TASKS): prompts and reward."""
+    policy: str = "fifo"
+    """The dispatch policy by name (deltarl.scheduler.policy.POLICIES)."""
+    group_size: int = 8
+    """Samples per prompt (GRPO's group)."""
+    groups_per_step: int = 8
+    """Groups per optimizer step; a TakeBatch asking for another number is refused."""
+    pool_capacity: int = 64
+    """Groups the pool holds, counting the ones issued and not yet submitted (their slots are
+    reserved at issue, so a submission never finds the pool full)."""
+    max_policy_lag_steps: int = 2
+    """A hard bound: no batch holds a group whose oldest token is more versions behind the
+    trainer than this, measured when the batch is shipped."""
+    on_lag_exceeded: LagAction = "throttle"
+    """What keeps the lag in bound besides dropping stale groups at ship time (service docs)."""
+    heartbeat_timeout_s: float = 15.0
+    """An instance silent this long is removed and its groups are queued again."""
+    not_held_grace_s: float = 5.0
+    """A heartbeat that reports what its instance holds (``Heartbeat.reports_held``) requeues
+    the groups issued to that instance and session that it does not hold, if they were issued
+    more than this long ago (younger ones: their Work reply may still be on its way)."""
+    lease_s: float = 300.0
+    """An issued group not submitted this long after its issue is queued again (heartbeats
+    do not renew it: see the service's docstring). Durable across scheduler restarts."""
+    reward_timeout_s: float = 10.0
+    reward_retries: int = 2
+    reward_workers: int = 8
+    max_reward_failures: int = 3
+    """A prompt whose group failed this often is abandoned (counted ``abandoned_prompts``);
+    0: never. A failure: its reward could not be had (``reward_*``), or its samples were
+    malformed (``bad_samples``), so a prompt that can never be trained cannot stall the run."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """``[daemons.scheduler.sampling]``: temperature, top_p (both 1.0 only), max_tokens."""
+    dataset_size: int = 0
+    """Prompts in the dataset; 0: infinite."""
+    seed: int = 0
+    """The dataset's and the sampling seeds' root."""
+    tick_s: float = 0.5
+    """How often heartbeats and leases are checked."""
+    wait_s: float = 0.2
+    """The back-off suggested in an empty Work or Batch."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "group_size", "groups_per_step", "pool_capacity", "reward_workers")
+        positive(self, "heartbeat_timeout_s", "lease_s", "reward_timeout_s", "tick_s", "wait_s")
+        non_negative(self, "max_policy_lag_steps", "reward_retries", "max_reward_failures")
+        non_negative(self, "dataset_size", "not_held_grace_s")
+        if self.pool_capacity < self.groups_per_step:
+            raise ValueError(
+                f"pool_capacity ({self.pool_capacity}) must hold at least groups_per_step "
+                f"({self.groups_per_step}), or no step could ever be filled"
+            )
+
+    @property
+    def sampling_params(self) -> Sampling:
+        return self.sampling
+
+    def as_record(self) -> dict[str, Any]:
+        """The configuration as plain JSON values (the run metadata)."""
+        record = dataclasses.asdict(self)
+        record["db"] = str(self.db)
+        return record
