@@ -21,13 +21,13 @@ from typing import Any
 
 import orjson
 
-from tests.daemons.test_refit_pipeline import Pipeline, _free_port
+from tests.daemons.pipeline import Pipeline, free_port, refit_tables, stream_link
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST_WAIT_S = 5.0  # the export agent records a manifest before it sends it: a margin
 
 
-def fault_config(
+def fault_tables(
     tmp: Path,
     *,
     params: int,
@@ -38,72 +38,42 @@ def fault_config(
     chunk_bytes: int = 4 << 20,
     ack_timeout_s: float = 20.0,
     steps: int = 0,
-) -> str:
+) -> dict[str, Any]:
     """Trainer, export and apply on the stream link; the export agent connects to
     ``export_port`` (a proxy, or ``apply_port`` itself), the apply agent listens on
     ``apply_port``."""
 
-    def link(port: int) -> str:
-        return (
-            f'type = "stream"\nhost = "127.0.0.1"\nport = {port}\n'
-            f"compress = {'true' if compress else 'false'}\nconnections = 2\n"
-            f"ack_timeout_s = 10.0\nbackoff_max_s = 0.5\n"
+    def link(port: int) -> dict[str, Any]:
+        return stream_link(
+            port, compress=compress, connections=2, ack_timeout_s=10.0, backoff_max_s=0.5
         )
 
-    return f"""
-[daemons.trainer]
-control = "ipc://{tmp}/trainer.sock"
-published_store = "pub"
-store_root = "{tmp}"
-params = {params}
-interval_s = {interval_s}
-steps = {steps}
-
-[daemons.export]
-control = "ipc://{tmp}/export.sock"
-published_store = "pub"
-store_root = "{tmp}"
-manifest_store = "{tmp}/versions.sqlite"
-apply_control = "ipc://{tmp}/apply.sock"
-full_resync_every = 1000
-chunk_bytes = {chunk_bytes}
-ack_timeout_s = {ack_timeout_s}
-poll_s = 0.02
-
-[daemons.export.link]
-{link(export_port)}
-[daemons.apply]
-control = "ipc://{tmp}/apply.sock"
-rollout_store = "rollout"
-store_root = "{tmp}"
-layout_store = "pub"
-
-[daemons.apply.link]
-{link(apply_port)}"""
+    return refit_tables(
+        tmp,
+        export_link=link(export_port),
+        apply_link=link(apply_port),
+        trainer={"params": params, "interval_s": interval_s, "steps": steps},
+        export={
+            "full_resync_every": 1000,
+            "chunk_bytes": chunk_bytes,
+            "ack_timeout_s": ack_timeout_s,
+        },
+    )
 
 
 class FaultPipeline(Pipeline):
     """``Pipeline`` with the fault tests' config; ``proxy`` puts a port between the links."""
 
     def __init__(self, tmp: Path, *, proxy: bool = False, **knobs: Any) -> None:
-        super().__init__(tmp, "stream")
-        self.apply_port = _free_port()
-        self.export_port = _free_port() if proxy else self.apply_port
-        self.config.write_text(
-            fault_config(tmp, apply_port=self.apply_port, export_port=self.export_port, **knobs)
-        )
+        self.apply_port = free_port()
+        self.export_port = free_port() if proxy else self.apply_port
+        ports = {"apply_port": self.apply_port, "export_port": self.export_port}
+        super().__init__(tmp, fault_tables(tmp, **ports, **knobs))
 
-    def kill(self, daemon: str) -> None:
-        proc = self.procs[daemon]
-        proc.kill()
-        proc.wait(10)
-        assert proc.returncode == -9, proc.returncode
-
-    def kill_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    def kill(self, daemon: str) -> int:
+        code = super().kill(daemon)
+        assert code == -9, code
+        return code
 
 
 # -- helper processes -----------------------------------------------------------------

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from deltarl.transport.base import ShmLinkConfig, make_sender
-from tests.daemons.test_refit_pipeline import Pipeline
+from deltarl.transport.base import make_sender
+from deltarl.transport.link_config import ShmLinkConfig
+from tests.daemons.pipeline import Pipeline
 
 
 async def _send_garbage(tmp: Path, version: int) -> None:
@@ -23,9 +24,11 @@ def test_unreadable_chunk_fails_its_version_at_once(tmp_path: Path) -> None:
         pipe.start("apply")
         pipe.wait("the apply agent serving", lambda: pipe.status("apply") is not None)
         asyncio.run(_send_garbage(tmp_path, 7))
-        pipe.wait("version 7 reported failed",
-                  lambda: (pipe.status("apply")["last_failed"] or {}).get("version") == 7,
-                  timeout=20)  # fmt: skip
+        pipe.wait(
+            "version 7 reported failed",
+            lambda: (pipe.status("apply")["last_failed"] or {}).get("version") == 7,
+            timeout=20,
+        )
         status = pipe.status("apply")
         assert "unreadable" in status["last_failed"]["reason"]
         assert status["needs_full"] is True

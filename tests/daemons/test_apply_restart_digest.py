@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from deltarl.refit.manifest_store import ManifestStore
-from tests.daemons.test_refit_pipeline import Pipeline
+from tests.daemons.pipeline import Pipeline
 
 
 def test_restarted_apply_agent_reports_the_active_digest(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import Ok, Resync
 from tests.daemons.faultlib import FaultPipeline, FaultProxy, Helper
-from tests.daemons.test_refit_pipeline import _assert_bit_exact
+from tests.daemons.pipeline import assert_bit_exact
 
 DAEMONS = ("apply", "export", "trainer")
 
@@ -44,7 +44,7 @@ def running(pipe: FaultPipeline) -> Iterator[Helper]:
 def finish(pipe: FaultPipeline, reader: Helper) -> int:
     """Quiesce, check bit-exactness and the reader's verdict, stop cleanly; the version."""
     version = pipe.quiesce()
-    _assert_bit_exact(pipe.tmp, version)
+    assert_bit_exact(pipe.tmp, version)
     seen = reader.result()
     assert seen["checks"] > 0, seen
     assert seen["mismatches"] == [], f"the reader saw bad bytes: {seen}\n{pipe.logs()}"
@@ -67,10 +67,13 @@ def poll(what: str, cond: Callable[[], object], timeout: float, every: float = 0
 def activated_after(tmp: Path, version: int) -> list:
     with ManifestStore(tmp / "versions.sqlite", readonly=True) as ms:
         return sorted(
-            (r for r in ms.history() if r.version > version
-             and r.state in (State.ACTIVE, State.SUPERSEDED)),
+            (
+                r
+                for r in ms.history()
+                if r.version > version and r.state in (State.ACTIVE, State.SUPERSEDED)
+            ),
             key=lambda r: r.version,
-        )  # fmt: skip
+        )
 
 
 def force_full_and_catch_it(pipe: FaultPipeline) -> int:
@@ -131,8 +134,9 @@ def test_corrupt_chunk_is_refused_and_the_pipeline_recovers(tmp_path: Path) -> N
         reason = pipe.status("apply")["last_failed"]["reason"]
         assert "checksum mismatch" in reason, reason
         assert pipe.status("apply")["active_version"] != bad
-        pipe.wait(f"a version after {bad} active",
-                  lambda: pipe.status("apply")["active_version"] > bad)  # fmt: skip
+        pipe.wait(
+            f"a version after {bad} active", lambda: pipe.status("apply")["active_version"] > bad
+        )
         finish(pipe, reader)
         with ManifestStore(tmp_path / "versions.sqlite", readonly=True) as ms:
             record = ms.get(bad)
@@ -146,8 +150,9 @@ def test_corrupt_chunk_is_refused_and_the_pipeline_recovers(tmp_path: Path) -> N
 @pytest.mark.timeout(90)
 def test_link_cut_mid_version_resumes(tmp_path: Path) -> None:
     # Small chunks, so a full version is many frames and the cut lands inside one.
-    pipe = FaultPipeline(tmp_path, proxy=True, params=1_000_000, interval_s=0.3,
-                         chunk_bytes=32 << 10)  # fmt: skip
+    pipe = FaultPipeline(
+        tmp_path, proxy=True, params=1_000_000, interval_s=0.3, chunk_bytes=32 << 10
+    )
     with FaultProxy(pipe.export_port, pipe.apply_port) as proxy, running(pipe) as reader:
         pipe.wait("2 versions applied", lambda: pipe.status("apply")["applied"] >= 2)
         connections = proxy.connections
@@ -157,8 +162,10 @@ def test_link_cut_mid_version_resumes(tmp_path: Path) -> None:
         pipe.wait("the cut", lambda: proxy.cut is not None, 30)
         assert proxy.cut is not None
         cut_version = proxy.cut[0]
-        pipe.wait(f"a version after {cut_version} active",
-                  lambda: pipe.status("apply")["active_version"] > cut_version)  # fmt: skip
+        pipe.wait(
+            f"a version after {cut_version} active",
+            lambda: pipe.status("apply")["active_version"] > cut_version,
+        )
         assert proxy.connections > connections  # the sender reconnected
         finish(pipe, reader)
         # The stream link resumed the version it was cut in: delivered, not failed.
@@ -212,16 +219,19 @@ def test_a_held_lease_is_never_overwritten(tmp_path: Path) -> None:
         assert result["published_at_end"] >= held + 2, result["published_at_end"]
         seen = set(result["active_seen"])
         assert len({v for v in seen if v > held}) <= 1, (held, sorted(seen))
-        pipe.wait("the apply agent proceeding after the hold",
-                  lambda: pipe.status("apply")["active_version"] >= held + 2)  # fmt: skip
+        pipe.wait(
+            "the apply agent proceeding after the hold",
+            lambda: pipe.status("apply")["active_version"] >= held + 2,
+        )
         assert pipe.status("apply")["last_failed"] is None, pipe.status("apply")
         finish(pipe, reader)
 
 
 @pytest.mark.timeout(90)
 def test_export_agent_restarted_mid_version_resends_it(tmp_path: Path) -> None:
-    pipe = FaultPipeline(tmp_path, proxy=True, params=200_000, interval_s=0.3, steps=6,
-                         ack_timeout_s=5.0)  # fmt: skip
+    pipe = FaultPipeline(
+        tmp_path, proxy=True, params=200_000, interval_s=0.3, steps=6, ack_timeout_s=5.0
+    )
     with FaultProxy(pipe.export_port, pipe.apply_port) as proxy, running(pipe) as reader:
         proxy.drop_version = 6  # the trainer's last version: delivered half, then no more
         pipe.wait("version 6 half-delivered", proxy.dropped.is_set, 60)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,91 +20,48 @@ import pytest
 from deltarl.engine.weight_store import WeightStore
 from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.transport.control import request_sync
-from deltarl.transport.messages import Ok, Pause, Resume
-from tests.daemons.test_refit_pipeline import PARAMS, Pipeline, _free_port
+from deltarl.transport.messages import Ok, Resume
+from tests.daemons.pipeline import (
+    Pipeline,
+    apply_table,
+    free_port,
+    refit_tables,
+    shm_link,
+    stream_link,
+)
 
 MEMBERS = {"apply": "rollout", "apply-b": "rollout-b", "apply-c": "rollout-c"}
 
 
-def _stream(port: int) -> str:
-    return f'type = "stream"\nhost = "127.0.0.1"\nport = {port}\nconnections = 2\n'
-
-
-def _config(tmp: Path) -> str:
-    root_port, b_port = _free_port(), _free_port()
-    shm_c = f'type = "shm"\nname = "c"\nroot = "{tmp}"\n'
-    apply_tables = ""
+def _tables(tmp: Path) -> dict[str, Any]:
+    root_port, b_port = free_port(), free_port()
+    links = {
+        "apply": stream_link(root_port, connections=2),
+        "apply-b": stream_link(b_port, connections=2),
+        "apply-c": shm_link(tmp, "c"),
+    }
+    tables = refit_tables(tmp, export_link=links["apply"], export={"full_resync_every": 50})
+    daemons = tables["daemons"]
     for name, store in MEMBERS.items():
-        apply_tables += f"""
-[daemons.{name}]
-control = "ipc://{tmp}/{name}.sock"
-rollout_store = "{store}"
-store_root = "{tmp}"
-layout_store = "pub"
-"""
-        link = {"apply": _stream(root_port), "apply-b": _stream(b_port), "apply-c": shm_c}[name]
-        apply_tables += f"\n[daemons.{name}.link]\n{link}"
-        if name == "apply":
-            apply_tables += f"""
-[[daemons.apply.relay]]
-name = "b"
-control = "ipc://{tmp}/apply-b.sock"
-[daemons.apply.relay.link]
-{_stream(b_port)}
-[[daemons.apply.relay]]
-name = "c"
-control = "ipc://{tmp}/apply-c.sock"
-[daemons.apply.relay.link]
-{shm_c}"""
-    return f"""
-[daemons.trainer]
-control = "ipc://{tmp}/trainer.sock"
-published_store = "pub"
-store_root = "{tmp}"
-params = {PARAMS}
-interval_s = 0.3
-
-[daemons.export]
-control = "ipc://{tmp}/export.sock"
-published_store = "pub"
-store_root = "{tmp}"
-manifest_store = "{tmp}/versions.sqlite"
-apply_control = "ipc://{tmp}/apply.sock"
-full_resync_every = 50
-ack_timeout_s = 20.0
-poll_s = 0.02
-
-[daemons.export.link]
-{_stream(root_port)}
-{apply_tables}"""
+        daemons[name] = apply_table(tmp, name, links[name], store)
+    daemons["apply"]["relay"] = [
+        {
+            "name": label,
+            "control": daemons[child]["control"],
+            "events": daemons[child]["events"],
+            "link": links[child],
+        }
+        for label, child in (("b", "apply-b"), ("c", "apply-c"))
+    ]
+    return tables
 
 
 class Tree(Pipeline):
     def __init__(self, tmp: Path) -> None:
-        super().__init__(tmp, "stream")
-        self.config.write_text(_config(tmp))
-
-    def start(self, daemon: str) -> None:
-        if daemon not in ("apply-b", "apply-c"):
-            super().start(daemon)
-            return
-        args = [sys.executable, "-m", "deltarl.cli", "apply", "--config", str(self.config),
-                "--name", daemon]  # fmt: skip
-        log = (self.tmp / f"{daemon}.log").open("ab")
-        self.procs[daemon] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        super().__init__(tmp, _tables(tmp))
 
     def quiesce_tree(self) -> int:
-        assert request_sync(self.endpoint("trainer"), Pause(), 2.0) == Ok("paused")
-        self.wait("the trainer's last step", lambda: not self.status("trainer")["stepping"])
-        version = self.status("trainer")["version"]
-        self.wait(
-            f"version {version} active everywhere",
-            lambda: (
-                all(self.status(m)["active_version"] == version for m in MEMBERS)
-                and self.status("export")["reference_version"] == version
-            ),
-        )
-        return version
+        return self.quiesce(tuple(MEMBERS))
 
 
 @pytest.fixture
@@ -115,10 +70,7 @@ def tree(tmp_path: Path) -> Iterator[Tree]:
     try:
         yield t
     finally:
-        for p in t.procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        t.kill_all()
 
 
 def _assert_all_bit_exact(tmp: Path, version: int) -> None:
@@ -137,8 +89,9 @@ def _start_all(tree: Tree) -> None:
 
 def test_relay_tree_delivers_every_version_to_every_member(tree: Tree) -> None:
     _start_all(tree)
-    tree.wait("4 versions on every member",
-              lambda: all(tree.status(m)["applied"] >= 4 for m in MEMBERS))  # fmt: skip
+    tree.wait(
+        "4 versions on every member", lambda: all(tree.status(m)["applied"] >= 4 for m in MEMBERS)
+    )
     version = tree.quiesce_tree()
     _assert_all_bit_exact(tree.tmp, version)
 
@@ -154,8 +107,11 @@ def test_relay_tree_delivers_every_version_to_every_member(tree: Tree) -> None:
     applied = {m: tree.status(m)["applied"] for m in MEMBERS}
     assert applied["apply-b"] == applied["apply-c"] == applied["apply"], applied
     with ManifestStore(tree.tmp / "versions.sqlite", readonly=True) as ms:
-        kinds = [r.kind for r in sorted(ms.history(), key=lambda r: r.version)
-                 if r.state in (State.ACTIVE, State.SUPERSEDED)]  # fmt: skip
+        kinds = [
+            r.kind
+            for r in sorted(ms.history(), key=lambda r: r.version)
+            if r.state in (State.ACTIVE, State.SUPERSEDED)
+        ]
     assert kinds[0] == "full", kinds
     assert "delta" in kinds, kinds
 
@@ -165,20 +121,28 @@ def test_relay_tree_delivers_every_version_to_every_member(tree: Tree) -> None:
 
 def test_killed_member_rejoins_and_the_tree_converges(tree: Tree) -> None:
     _start_all(tree)
-    tree.wait("2 versions on every member",
-              lambda: all(tree.status(m)["applied"] >= 2 for m in MEMBERS))  # fmt: skip
+    tree.wait(
+        "2 versions on every member", lambda: all(tree.status(m)["applied"] >= 2 for m in MEMBERS)
+    )
     os.kill(tree.procs["apply-c"].pid, signal.SIGKILL)
     assert tree.procs.pop("apply-c").wait(10) == -signal.SIGKILL
     killed_at = tree.status("trainer")["version"]
     # The rest of the tree keeps receiving versions while c is down.
-    tree.wait("versions while c is down",
-              lambda: tree.status("apply-b")["active_version"] > killed_at + 1)  # fmt: skip
+    tree.wait(
+        "versions while c is down", lambda: tree.status("apply-b")["active_version"] > killed_at + 1
+    )
     tree.start("apply-c")
-    tree.wait("c active again",
-              lambda: tree.status("apply-c")["active_version"] is not None
-              and tree.status("apply-c")["active_version"] > killed_at + 1)  # fmt: skip
+    tree.wait(
+        "c active again",
+        lambda: (
+            tree.status("apply-c")["active_version"] is not None
+            and tree.status("apply-c")["active_version"] > killed_at + 1
+        ),
+    )
     assert request_sync(tree.endpoint("trainer"), Resume(), 2.0) in (
-        Ok("was not paused"), Ok("resumed"))  # fmt: skip
+        Ok("was not paused"),
+        Ok("resumed"),
+    )
     version = tree.quiesce_tree()
     _assert_all_bit_exact(tree.tmp, version)
     with ManifestStore(tree.tmp / "versions.sqlite", readonly=True) as ms:

@@ -12,7 +12,7 @@ from deltarl.engine.weight_store import WeightStore
 from deltarl.refit.manifest_store import ManifestStore
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import Ok, Resume
-from tests.daemons.test_refit_pipeline import Pipeline, _assert_bit_exact
+from tests.daemons.pipeline import Pipeline, assert_bit_exact
 
 
 def test_an_older_version_published_again_is_not_sent(tmp_path: Path) -> None:
@@ -38,10 +38,9 @@ def test_an_older_version_published_again_is_not_sent(tmp_path: Path) -> None:
             np.copyto(txn.buffer, current)
             txn.commit(held, allow_older=True)  # the synthetic trainer's own, again
         assert request_sync(pipe.endpoint("trainer"), Resume(), 2.0) == Ok("resumed")
-        pipe.wait("a newer version active",
-                  lambda: pipe.status("apply")["active_version"] > held)  # fmt: skip
+        pipe.wait("a newer version active", lambda: pipe.status("apply")["active_version"] > held)
         version = pipe.quiesce()
-        _assert_bit_exact(tmp_path, version)
+        assert_bit_exact(tmp_path, version)
         with ManifestStore(tmp_path / "versions.sqlite", readonly=True) as ms:
             record = ms.get(held + 1)
             assert record is not None

@@ -1,0 +1,404 @@
+"""The apply agent's core: receive, apply, verify and activate versions; say so.
+
+Each version arrives as chunks (any order, maybe twice) and a manifest. The first chunk (or the
+manifest) of a new version opens a write transaction on the rollout store's inactive buffer:
+
+    chunk/manifest of version v, no open job, v not seen before
+      | a delta whose base is not the active version -> refused: needs_full, RefitFailed
+      v
+    APPLYING  begin_write; a delta whose target buffer does not hold its base gets
+      |       copy_from_active first; each chunk is applied (reference: the active buffer),
+      |       then released; a chunk of a newer version abandons this one (failed)
+      | manifest here and every chunk it lists applied
+      v
+    verify every tensor against the manifest -> commit (flip) -> VersionApplied
+      | any FrameError / checksum mismatch -> abort (the active version stays) -> RefitFailed
+
+Every change of that state is published as a ``ReceiverState`` (deltarl/refit/
+receiver_state.py) at once, and the state again every ``heartbeat_s``: that is how the export
+agent learns a version is active, or failed, or that this agent restarted (a new ``session``).
+With relay targets (deltarl/refit/relay.py) every chunk and manifest is also relayed, as
+received, to further apply agents, and the state published is the whole tree's.
+
+No socket here: the process module (deltarl/daemons/apply.py) hands in the link's receiver,
+the relay, and the event publisher (through the daemon context).
+
+Invariant: at most one job (write transaction) is open, and it is touched only under
+``_lock``, so a ``rollback`` never races a chunk being applied.
+
+Drain: nothing new is opened; a version half received is finished (its remaining chunks still
+arrive) or, when the drain runs out of time, aborted by ``close``; the active version stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from deltarl.codecs.checksum import model_digest, tensor_digests
+from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
+from deltarl.codecs.frame import KIND_FULL, NO_BASE, FrameError, FrameHeader
+from deltarl.codecs.manifest import ManifestError, RefitManifest
+from deltarl.config.refit import ApplyConfig
+from deltarl.engine.daemon import DaemonContext, DaemonCore
+from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
+from deltarl.refit.receiver_state import GetReceiverState, ReceiverState
+from deltarl.refit.relay import Relay
+from deltarl.transport.base import ChunkReceiver, ReceivedChunk, ReceivedManifest
+from deltarl.transport.control import Handler
+from deltarl.transport.messages import (
+    Command,
+    Error,
+    Ok,
+    RefitFailed,
+    Resync,
+    Rollback,
+    VersionApplied,
+)
+
+logger = logging.getLogger(__name__)
+
+KEEP_FINISHED = 64  # versions remembered as done, so their late duplicates are ignored
+KEEP_DIGESTS = 16  # applied versions whose model digest ``status`` reports
+
+
+@dataclass
+class _Job:
+    version: int
+    base: int | None
+    txn: WriteTxn
+    apply: VersionApply
+    started: float
+    manifest: RefitManifest | None = None
+    apply_s: float = 0.0
+    """Seconds spent applying this version's chunks."""
+    open_s: float = 0.0
+    """Seconds spent opening the write (and copying the active buffer for a delta)."""
+
+
+class ApplyCore(DaemonCore):
+    daemon: ClassVar[str] = "apply"
+
+    def __init__(
+        self,
+        config: ApplyConfig,
+        context: DaemonContext,
+        store: WeightStore,
+        receiver: ChunkReceiver,
+        relay: Relay | None = None,
+    ) -> None:
+        self.config = config
+        self.context = context
+        self.store = store
+        self.receiver = receiver
+        self.relay = relay or Relay(())
+        self.session = secrets.token_hex(8)
+        self.job: _Job | None = None
+        self.finished: dict[int, str] = {}  # version -> "applied" | "failed"
+        self.needs_full = store.active_version is None
+        self.applied_state: dict[str, Any] = {}  # ReceiverState's applied_* figures
+        self.failed_state: tuple[int, str] | None = None
+        self.applied = 0
+        self.refused = 0
+        self.draining = False
+        # version -> the manifest's whole-model digest, for the rollout daemon to check what its
+        # engine loaded against what the trainer published (not just against this buffer).
+        self.digests: dict[int, str] = {}
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._job_done = asyncio.Event()
+        self._job_done.set()
+        self.relay.on_change = self._changed.set
+        self._digest_active()
+
+    def _digest_active(self) -> None:
+        """The active version's digest after a restart (the one applied before is forgotten).
+
+        Recomputed from the active buffer, which equals its manifest: it was verified against
+        it before the flip, and only this agent writes the store, never the active buffer.
+        Without it a rollout daemon restarted after this agent could not prove its engine
+        until the trainer's next version, which may never come while no samples flow.
+        """
+        if self.store.active_version is None:
+            return
+        with self.store.lease() as snap:
+            # Committed with the version since the digest lives in the segment; a segment of
+            # an older deltarl has none, and the buffer is hashed instead.
+            digest = snap.digest or model_digest(tensor_digests(self.store.layout, snap.buffer))
+            self.digests[snap.version] = digest
+
+    # -- the state it tells --------------------------------------------------------------
+
+    def own_state(self) -> ReceiverState:
+        failed = self.failed_state
+        return ReceiverState(
+            session=self.session,
+            active_version=self.store.active_version,
+            needs_full=self.needs_full,
+            applying=None if self.job is None else self.job.version,
+            failed_version=None if failed is None else failed[0],
+            failed_reason="" if failed is None else failed[1],
+            **self.applied_state,
+        )
+
+    def receiver_state(self) -> ReceiverState:
+        """What the export agent is told: this agent's state, or its relay tree's."""
+        own = self.own_state()
+        return self.relay.tree(own) if self.relay.children else own
+
+    async def _announce(self) -> None:
+        """Publish the state on every change, and every ``heartbeat_s`` regardless."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.heartbeat_s):
+                    await self._changed.wait()
+            self._changed.clear()
+            await self.context.publish(self.receiver_state())
+
+    # -- receiving ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.relay.start()
+        announcing = asyncio.create_task(self._announce(), name="apply:announce")
+        try:
+            async with self.receiver:
+                async for item in self.receiver:
+                    # Relay first: the children start on a chunk while this agent applies it.
+                    self.relay.forward(item)
+                    async with self._lock:
+                        if isinstance(item, ReceivedChunk):
+                            await self._on_chunk(item)
+                        elif isinstance(item, ReceivedManifest):
+                            await self._on_manifest(item)
+        finally:
+            announcing.cancel()
+            await asyncio.wait({announcing})
+
+    async def _on_chunk(self, chunk: ReceivedChunk) -> None:
+        try:
+            try:
+                header = FrameHeader.parse(memoryview(chunk.data).cast("B"))
+            except FrameError as e:
+                # The transport's version label is all we have. Failing that version now
+                # (rather than waiting for the export agent's ack timeout) gets a full one sent
+                # at once; a version already done is left alone (a late, damaged duplicate).
+                logger.warning("unreadable chunk of version %d: %s", chunk.version, e)
+                if chunk.version not in self.finished:
+                    await self._fail(chunk.version, f"chunk {chunk.chunk_id} unreadable: {e}")
+                return
+            base = None if header.kind == KIND_FULL else header.base
+            job = await self._job_for(header.target, base)
+            if job is None:
+                return
+            t = time.monotonic()
+            try:
+                await asyncio.to_thread(job.apply.apply, chunk.data)
+            except (FrameError, ValueError) as e:
+                await self._fail(job.version, f"chunk {header.chunk_id}: {e}")
+                return
+            job.apply_s += time.monotonic() - t
+        finally:
+            chunk.release()  # applied (or refused): the transport may free it now
+        await self._maybe_finish()
+
+    async def _on_manifest(self, item: ReceivedManifest) -> None:
+        try:
+            manifest = RefitManifest.from_json(item.data)
+        except ManifestError as e:
+            logger.warning("dropping a malformed manifest for version %d: %s", item.version, e)
+            return
+        base = None if manifest.base_version == NO_BASE else manifest.base_version
+        job = await self._job_for(manifest.version, base)
+        if job is not None:
+            job.manifest = manifest
+            await self._maybe_finish()
+
+    async def _job_for(self, version: int, base: int | None) -> _Job | None:
+        """The open job for ``version``, opened if it is new; None to ignore this item."""
+        job = self.job
+        if job is not None and job.version == version:
+            if job.base == base:
+                return job
+            # The same version again on another base: a restarted export agent re-sent it
+            # (in full). The half-applied job is dropped; the new one starts from scratch.
+            logger.warning(
+                "version %d re-sent on base %s (was %s): starting over", version, base, job.base
+            )
+            self._end_job(abort=True)
+            job = None
+        if version in self.finished or (job is not None and version < job.version):
+            return None  # a late duplicate, or a stale version: nothing to do
+        if job is not None:
+            await self._fail(job.version, f"abandoned: version {version} started before it ended")
+        if self.draining:
+            logger.info("version %d not started: draining", version)
+            return None
+        active = self.store.active_version
+        if base is not None and base != active:
+            # Contract 3: a delta applies only to its own base. Ask for a full version.
+            self.refused += 1
+            await self._fail(version, f"delta on {base} refused: the active version is {active}")
+            return None
+        opened = time.monotonic()
+        try:
+            txn = await asyncio.to_thread(self.store.begin_write, 10.0)
+        except LeaseTimeout as e:
+            # Tolerated: a reader kept the inactive buffer (or another writer the lock); this
+            # version is lost, the active one stays, and the export agent sends a full one.
+            await self._fail(version, str(e))
+            return None
+        if base is not None and txn.base_version != base:
+            # The target buffer holds an older version: start it from the active one.
+            await asyncio.to_thread(txn.copy_from_active)
+        reference = txn.active if base is not None else None
+        apply = VersionApply(txn.layout, txn.buffer, reference, base=base, version=version)
+        self.job = _Job(version, base, txn, apply, time.monotonic())
+        self.job.open_s = self.job.started - opened  # begin_write (+ copy_from_active)
+        self._job_done.clear()
+        self._changed.set()
+        return self.job
+
+    def _end_job(self, *, abort: bool) -> None:
+        if self.job is not None and abort:
+            self.job.txn.abort()
+        self.job = None
+        self._job_done.set()
+
+    async def _maybe_finish(self) -> None:
+        job = self.job
+        if job is None or job.manifest is None:
+            return
+        if not {c.id for c in job.manifest.chunks} <= set(job.apply.applied):
+            return  # chunks still to come
+        t_verify = time.monotonic()
+        try:
+            await asyncio.to_thread(job.apply.verify, job.manifest)
+        except (FrameError, ChecksumMismatchError) as e:
+            await self._fail(job.version, str(e))
+            return
+        t_commit = time.monotonic()
+        # A full version is authoritative: it may replace a newer one (after a rollback).
+        # With the manifest's model digest: the rollout daemon proves what its engine loaded
+        # against it under its own lease.
+        job.txn.commit(
+            job.version, allow_older=job.base is None, digest=job.manifest.model_xxh3_128
+        )
+        t_done = time.monotonic()
+        self._end_job(abort=False)
+        self._finish(job.version, "applied")
+        if job.base is None:
+            self.needs_full = False
+        self.applied += 1
+        self.applied_state = {
+            "applied_version": job.version,
+            "applied_base": job.base,
+            "started_at": job.started,
+            "committed_at": t_done,
+            "open_s": job.open_s,
+            "apply_s": job.apply_s,
+            "verify_s": t_commit - t_verify,
+            "commit_s": t_done - t_commit,
+        }
+        self.digests[job.version] = job.manifest.model_xxh3_128
+        while len(self.digests) > KEEP_DIGESTS:
+            del self.digests[min(self.digests)]
+        seconds = t_done - job.started
+        logger.info("version %d active (base %s, %.3f s)", job.version, job.base, seconds)
+        self._changed.set()
+        await self.context.publish(VersionApplied(job.version, job.base, seconds))
+
+    async def _fail(self, version: int, reason: str) -> None:
+        """``version`` is not applied; the active version stays. Abort its job if open."""
+        if self.job is not None and self.job.version == version:
+            self._end_job(abort=True)
+        self._finish(version, "failed")
+        self.needs_full = True
+        self.failed_state = (version, reason)
+        logger.warning("version %d not applied: %s", version, reason)
+        self._changed.set()
+        await self.context.publish(RefitFailed(version, reason))
+
+    def _finish(self, version: int, how: str) -> None:
+        self.finished[version] = how
+        while len(self.finished) > KEEP_FINISHED:
+            del self.finished[min(self.finished)]
+
+    # -- the runtime's side ---------------------------------------------------------------
+
+    async def drain(self) -> None:
+        self.draining = True
+        await self._job_done.wait()
+
+    async def close(self) -> None:
+        try:
+            await self.relay.close()
+        finally:
+            self._end_job(abort=True)
+            self.store.close()
+
+    def state(self) -> str:
+        return "applying" if self.job else "running"
+
+    def status_fields(self) -> dict[str, Any]:
+        failed = self.failed_state
+        applied = self.applied_state
+        fields: dict[str, Any] = {
+            "session": self.session,
+            "active_version": self.store.active_version,
+            "needs_full": self.needs_full,
+            "applying": None if self.job is None else self.job.version,
+            "last_applied": None
+            if not applied
+            else {
+                "version": applied["applied_version"],
+                "base": applied["applied_base"],
+                "seconds": applied["committed_at"] - applied["started_at"],
+                **{k: v for k, v in applied.items() if not k.startswith("applied_")},
+                "model_xxh3_128": self.digests.get(applied["applied_version"]),
+            },
+            "last_failed": None if failed is None else {"version": failed[0], "reason": failed[1]},
+            "applied": self.applied,
+            "refused": self.refused,
+            "store": self.config.rollout_store,
+            "digests": {str(v): d for v, d in self.digests.items()},
+        }
+        if self.relay.children:
+            fields["tree"] = self.relay.status(self.receiver_state())
+        return fields
+
+    def handlers(self) -> Mapping[type[Command], Handler]:
+        return {Resync: self.on_resync, Rollback: self.on_rollback}
+
+    def concurrent_handlers(self) -> Mapping[type[Command], Handler]:
+        # Never queued behind a rollback: the export agent asks it when events fall silent.
+        return {GetReceiverState: self.on_get_state}
+
+    async def on_get_state(self, _: GetReceiverState) -> ReceiverState:
+        return self.receiver_state()
+
+    async def on_resync(self, _: Resync) -> Ok:
+        self.needs_full = True
+        self._changed.set()
+        return Ok("asked the export agent for a full version")
+
+    async def on_rollback(self, command: Rollback) -> Ok | Error:
+        async with self._lock:
+            if self.job is not None:
+                await self._fail(self.job.version, "interrupted by a rollback")
+            try:
+                previous = await asyncio.to_thread(self.store.rollback, 5.0)
+            except RollbackError as e:
+                return Error("no_previous_version", str(e))
+            self._changed.set()
+            if command.version is not None and command.version != previous:
+                # Only one older version is kept; undo is one more flip, but say what happened.
+                logger.warning(
+                    "rollback to %d asked, %d was the one kept", command.version, previous
+                )
+            return Ok(f"rolled back to version {previous}")

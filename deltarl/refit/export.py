@@ -1,0 +1,459 @@
+"""The export agent's core: diff the trainer's published weights, encode, send, record.
+
+The export agent is the only reader of the trainer's published store. For each new version it
+copies the weights out under a lease, encodes them against its reference, sends each chunk as
+soon as the encoder yields it, then the manifest, and records the version's life in the
+ManifestStore (pending -> uploaded -> verified -> active, or failed). No socket here: the
+process module (deltarl/daemons/export.py) hands in the link's sender and a ``StateFeed`` that
+hears the receiver (deltarl/refit/receiver_state.py).
+
+The reference and its acknowledgement (docs/architecture.md, "Why it pays: the reference"):
+
+    the reference is what the receiver holds: (bytes, version, receiver session)
+    1. the receiver's latest state: {session, active_version, needs_full, failed_version}
+       none, or older than the feed's stale_s -> send nothing, wait (a restarting receiver
+       must not get a delta)
+    2. full version if: no reference | session differs (receiver restarted) | its active
+       version is not the reference version (rolled back, or lost a version) | needs_full
+       (it refused a delta or failed one) | a ``resync`` command | full_resync_every deltas
+       in a row; otherwise a delta on the reference
+    3. encode and send; the manifest last (stream: returns once everything is acked)
+    4. wait for the states the receiver pushes: active_version == v (same session): verified
+       + active, the reference becomes v | failed_version == v, the session changed, or
+       ack_timeout_s passed: failed, the reference is dropped (step 2 sends a full one next)
+
+Invariant: the reference advances only on an acknowledgement from the same receiver session,
+so every delta is built on bytes the receiver was seen holding.
+
+Drain: no new version is taken; the one in flight is sent and its acknowledgement awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from deltarl.codecs.encoder import Chunk, DeltaEncoder
+from deltarl.codecs.manifest import RefitManifest
+from deltarl.config.refit import ExportConfig
+from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
+from deltarl.engine.leases import Snapshot
+from deltarl.engine.weight_store import WeightStore
+from deltarl.refit.manifest_store import ManifestStore, ManifestStoreError, State
+from deltarl.refit.receiver_state import ReceiverState, RefitRecord, StateFeed
+from deltarl.transport.base import ChunkSender, LinkError
+from deltarl.transport.control import Handler
+from deltarl.transport.messages import Command, Ok, RefitFailed, Resync, VersionPublished
+
+logger = logging.getLogger(__name__)
+
+RECENT = 64
+
+
+async def put_unless_done(
+    queue: asyncio.Queue[Chunk | None], item: Chunk | None, consumer: asyncio.Task[None]
+) -> bool:
+    """Queue ``item``; False if the consumer ended first (a full queue would wait forever)."""
+    put = asyncio.create_task(queue.put(item))
+    await asyncio.wait({put, consumer}, return_when=asyncio.FIRST_COMPLETED)
+    if put.done():
+        return True
+    put.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await put
+    return False
+
+
+@dataclasses.dataclass
+class Reference:
+    """What the receiver was last seen holding: the bytes, their version, its session."""
+
+    buffer: np.ndarray | None = None
+    version: int | None = None
+    session: str | None = None
+    deltas_in_a_row: int = 0
+
+    def drop(self) -> None:
+        self.buffer = self.version = self.session = None
+
+    def full_reason(  # noqa: PLR0911
+        self, receiver: ReceiverState, version: int, *, resync: bool, every: int
+    ) -> str | None:
+        """Why version ``version`` must go in full (None: a delta on the reference is safe)."""
+        if self.buffer is None or self.version is None:
+            return "no reference"
+        if receiver.session != self.session:
+            return "the apply agent restarted"
+        if receiver.active_version != self.version:
+            return (
+                f"the apply agent holds {receiver.active_version}, the reference is {self.version}"
+            )
+        if receiver.needs_full:
+            return "the apply agent asked for one"
+        if resync:
+            return "resync command"
+        if self.deltas_in_a_row >= every:
+            return f"periodic, after {self.deltas_in_a_row} deltas"
+        if self.version >= version:
+            return f"version {version} is not newer than the reference {self.version}"
+        return None
+
+
+class ExportCore(DaemonCore):
+    """Watches, encodes and sends; its command handlers only set flags the loop reads."""
+
+    daemon: ClassVar[str] = "export"
+
+    def __init__(
+        self,
+        config: ExportConfig,
+        context: DaemonContext,
+        feed: StateFeed,
+        sender: ChunkSender,
+        manifests: ManifestStore,
+    ) -> None:
+        self.config = config
+        self.context = context
+        self.feed = feed
+        self.sender = sender
+        self.manifests = manifests
+        self.gate = PauseGate()
+        self.store: WeightStore | None = None
+        self.encoder: DeltaEncoder | None = None
+        self.ref = Reference()
+        self._spare: np.ndarray | None = None  # receives the next version (_take_spare)
+        self.resync_pending = False
+        self.draining = False
+        self.shipping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.detail = "starting"
+        self.taken: int | None = None  # the last published version copied out
+        self.sent = 0
+        self.failed = 0
+        self.republished = 0  # older versions published again, not sent (_republished)
+        # The last RECENT records: `deltarl up` reads every refit's figures from here even
+        # when versions come faster than it polls.
+        self.recent: deque[RefitRecord] = deque(maxlen=RECENT)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.config
+        self.store = await self._open_published()
+        self.encoder = DeltaEncoder(self.store.layout, chunk_bytes=cfg.chunk_bytes)
+        async with self.sender:
+            while not self.draining:
+                # 1) a new published version? 2) a receiver to send it to? 3) ship it
+                published = self.store.active_version
+                if self.gate.paused or published is None or published == self.taken:
+                    self.detail = "paused" if self.gate.paused else "idle"
+                    await asyncio.sleep(cfg.poll_s)
+                    continue
+                receiver = self.feed.latest()
+                if receiver is None:
+                    self.detail = "waiting for the apply agent"
+                    await self.feed.next(cfg.poll_s)
+                    continue
+                if self._republished(published, receiver):
+                    self.taken = published
+                    continue
+                self.shipping = True
+                self._idle.clear()
+                try:
+                    await self._take_and_ship(receiver)
+                finally:
+                    self.shipping = False
+                    self._idle.set()
+
+    async def _take_and_ship(self, receiver: ReceiverState) -> None:
+        assert self.store is not None  # opened in run()
+        taken_at = time.monotonic()
+        snap = self.store.lease()
+        current = None
+        try:
+            version, current = snap.version, self._take_spare(snap.buffer)
+            self.taken = version
+            await self._ship(snap, current, receiver, taken_at)
+        finally:
+            snap.release()  # idempotent: _ship releases it as soon as it can
+            if current is not None and self.ref.buffer is not current:
+                self._spare = current  # not adopted as the reference: reuse its memory
+
+    def _republished(self, version: int, receiver: ReceiverState) -> bool:
+        """Whether ``version`` is an older version published again, which is not sent.
+
+        A trainer restarted from its checkpoint publishes the checkpoint's version again and
+        replays the steps after it (bit-exactly: tests/trainer). The receiver keeps the newer
+        version it holds; the trainer's next *newer* version goes as a delta against exactly
+        what the receiver holds, so it arrives bit-exact whatever the replay produced. Sending
+        the old version instead would roll every engine back for nothing.
+        """
+        ref = self.ref
+        if (
+            ref.version is None
+            or version > ref.version
+            or receiver.session != ref.session
+            or receiver.active_version != ref.version
+        ):
+            return False
+        self.republished += 1
+        detail = ""
+        if version == ref.version and self.store is not None and ref.buffer is not None:
+            with self.store.lease() as snap:
+                same = snap.version == version and np.array_equal(snap.buffer, ref.buffer)
+            if not same:
+                # The replay diverged (another torch build or thread count?): the receiver's
+                # version ``version`` is not the trainer's until the next version replaces it.
+                logger.error(
+                    "version %d republished with other bytes than the receiver holds; "
+                    "the next version corrects it",
+                    version,
+                )
+                detail = " (bytes differ!)"
+        logger.info(
+            "version %d published again (trainer restart?): the receiver keeps %d%s",
+            version,
+            ref.version,
+            detail,
+        )
+        return True
+
+    def _take_spare(self, published: np.ndarray) -> np.ndarray:
+        """The buffer that receives a copy of the published bytes (allocated once, reused).
+
+        A fresh array per version cost more in page faults than the copy itself. Two buffers
+        suffice: the reference, and the spare that receives the next version.
+        """
+        buf = self._spare if self._spare is not None else np.empty_like(published)
+        self._spare = None
+        return buf
+
+    async def _open_published(self) -> WeightStore:
+        """The trainer's store, read-only, once it exists (the trainer may start after us)."""
+        self.detail = "waiting for the published store"
+        while True:
+            try:
+                return WeightStore.open(
+                    self.config.published_store, root=self.config.store_root, readonly=True
+                )
+            except FileNotFoundError:
+                await asyncio.sleep(self.config.poll_s)
+
+    async def _ship(
+        self, snap: Snapshot, current: np.ndarray, receiver: ReceiverState, taken_at: float
+    ) -> None:
+        """Encode ``snap`` against the reference, send it, copy it into ``current`` (which
+        becomes the reference once acknowledged), release ``snap``, await the acknowledgement.
+
+        For a delta the encoder reads the published buffer in place, under the lease, and the
+        copy that the next diff needs is made once the encoder is done, while the last chunks
+        travel and the receiver applies them: before encoding it delayed every refit by a
+        full memory copy. The lease covers the encoding and that copy only, never a wait for
+        the network (chunks queue for the link), so a slow link cannot keep the trainer from
+        publishing.
+        """
+        assert self.encoder is not None  # set in run() before the loop
+        version = snap.version
+        reason = self.ref.full_reason(
+            receiver, version, resync=self.resync_pending, every=self.config.full_resync_every
+        )
+        base = None if reason else self.ref.version
+        session = receiver.session
+        kind = "delta" if base is not None else "full"
+        self.detail = f"sending {version} ({'full: ' + reason if reason else f'delta on {base}'})"
+        if reason:
+            self.resync_pending = False
+            logger.info("version %d: full (%s)", version, reason)
+        t0 = time.monotonic()
+        if reason:
+            # A full version is as large as the model and may cross a slow link: copy it out
+            # first and let the lease go, so no network wait ever holds the trainer up.
+            await asyncio.to_thread(np.copyto, current, snap.buffer)
+            snap.release()
+        source = current if reason else snap.buffer
+        encoding = self.encoder.encode(
+            source, None if reason else self.ref.buffer, target_version=version, base_version=base
+        )
+        chunks = iter(encoding)
+        # Encoded chunks wait here for the link. For a delta the queue is unbounded, so the
+        # encoder (which holds the lease) never waits for the network; a delta's chunks are at
+        # most about a full version's wire size. A full version encodes from our own copy and
+        # may wait: its queue is bounded.
+        outbox: asyncio.Queue[Chunk | None] = asyncio.Queue(4 if reason else 0)
+        sent = {"bytes": 0, "seconds": 0.0}
+
+        async def send_all() -> None:
+            while (chunk := await outbox.get()) is not None:
+                t = time.monotonic()
+                await self.sender.send_chunk(version, chunk.chunk_id, chunk.data)
+                sent["seconds"] += time.monotonic() - t
+                sent["bytes"] += len(chunk.data)
+
+        sending = asyncio.create_task(send_all(), name=f"export:send:{version}")
+        recorded = False
+        encode_s = time.monotonic() - t0  # time in the encoder (bench refit reads it)
+        try:
+            # Send while still encoding: each chunk leaves as soon as it exists.
+            while not sending.done():  # done early: the link failed (raised below)
+                t = time.monotonic()
+                chunk = await asyncio.to_thread(next, chunks, None)
+                encode_s += time.monotonic() - t
+                if not await put_unless_done(outbox, chunk, sending) or chunk is None:
+                    break
+            if not reason:
+                # The next diff needs these bytes after the lease is gone: copy them now,
+                # while the last chunks travel and the receiver applies them.
+                await asyncio.to_thread(np.copyto, current, snap.buffer)
+                snap.release()
+            await sending  # raises the link's error, if any
+            manifest = encoding.manifest
+            assert manifest is not None  # set once the chunks are exhausted
+            recorded = self._record(manifest)
+            t = time.monotonic()
+            await self.sender.send_manifest(version, manifest.to_json())
+            sent_at = time.monotonic()
+            send_s = sent["seconds"] + sent_at - t
+            nbytes = sent["bytes"]
+        except LinkError as e:
+            await self._failed(version, f"link: {e}", recorded=recorded)
+            return
+        finally:
+            if not sending.done():
+                sending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, LinkError):
+                    await sending
+            snap.release()
+        if recorded:
+            self._mark(version, State.UPLOADED)
+        self.sent += 1
+        await self.context.publish(VersionPublished(version, base, nbytes))
+        self.detail = f"waiting for the apply agent to activate {version}"
+        outcome, acked_by = await self._await_ack(version, session)
+        acked_at = time.monotonic()
+        record = RefitRecord(
+            version=version,
+            base=base,
+            kind=kind,
+            wire_bytes=nbytes,
+            outcome=outcome or "active",
+            taken_at=taken_at,
+            started_at=t0,
+            sent_at=sent_at,
+            acked_at=acked_at,
+            copy_s=round(t0 - taken_at, 6),
+            encode_s=round(encode_s, 6),
+            send_s=round(send_s, 6),
+            seconds=round(acked_at - t0, 4),
+            receiver=acked_by,
+        )
+        self.recent.append(record)
+        if outcome is not None:
+            await self._failed(version, outcome, recorded=recorded)
+            return
+        if recorded:
+            self._mark(version, State.VERIFIED)
+            self._mark(version, State.ACTIVE)
+        old = self.ref.buffer
+        self.ref.buffer, self.ref.version, self.ref.session = current, version, session
+        if old is not None:
+            self._spare = old  # the previous reference receives the next version
+        self.ref.deltas_in_a_row = 0 if base is None else self.ref.deltas_in_a_row + 1
+        logger.info(
+            "version %d active on the receiver (%d bytes, %.3f s)", version, nbytes, record.seconds
+        )
+
+    async def _await_ack(
+        self, version: int, session: str
+    ) -> tuple[str | None, ReceiverState | None]:
+        """(None, the acknowledging state) once the receiver reports ``version`` active,
+        else (why it did not, the last state heard)."""
+        deadline = time.monotonic() + self.config.ack_timeout_s
+        state = self.feed.latest()
+        while True:
+            if state is not None:
+                if state.session != session:
+                    return "the apply agent restarted before acknowledging", state
+                if state.active_version == version:
+                    return None, state
+                if state.failed(version):
+                    return f"the apply agent refused it: {state.failed_reason}", state
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"no acknowledgement within {self.config.ack_timeout_s} s", state
+            state = await self.feed.next(left)
+
+    async def _failed(self, version: int, reason: str, *, recorded: bool) -> None:
+        # Drop the reference: the receiver's state is unknown, so the next version is full.
+        self.ref.drop()
+        self.failed += 1
+        logger.warning("version %d failed: %s", version, reason)
+        if recorded:
+            self._mark(version, State.FAILED, error=reason)
+        await self.context.publish(RefitFailed(version, reason))
+
+    def _record(self, manifest: RefitManifest) -> bool:
+        try:
+            self.manifests.record(manifest)
+        except ManifestStoreError as e:
+            # Tolerated: the record is for operators; a version the store already holds (a
+            # restarted trainer reusing numbers) is still delivered, just not recorded twice.
+            logger.warning("version %d not recorded: %s", manifest.version, e)
+            return False
+        return True
+
+    def _mark(self, version: int, state: State, *, error: str | None = None) -> None:
+        try:
+            self.manifests.mark(version, state, error=error)
+        except ManifestStoreError as e:
+            logger.warning("version %d: cannot mark %s: %s", version, state, e)
+
+    # -- the runtime's side ---------------------------------------------------------------
+
+    async def drain(self) -> None:
+        self.draining = True
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        self.manifests.close()
+        if self.store is not None:
+            self.store.close()
+
+    def status_fields(self) -> dict[str, Any]:
+        recent = [record_fields(r) for r in self.recent]
+        return {
+            "published_version": None if self.store is None else self.store.active_version,
+            "taken_version": self.taken,
+            "reference_version": self.ref.version,
+            "receiver_session": self.ref.session,
+            "deltas_in_a_row": self.ref.deltas_in_a_row,
+            "full_resync_every": self.config.full_resync_every,
+            "resync_pending": self.resync_pending,
+            "sent": self.sent,
+            "failed": self.failed,
+            "republished": self.republished,
+            "receiver_age_s": round(min(self.feed.age_s, 1e9), 3),
+            "last": recent[-1] if recent else None,
+            "recent": recent,
+            "detail": self.detail,
+        }
+
+    def handlers(self) -> Mapping[type[Command], Handler]:
+        return {Resync: self.on_resync}
+
+    async def on_resync(self, _: Resync) -> Ok:
+        self.resync_pending = True
+        return Ok("the next version is sent in full")
+
+
+def record_fields(record: RefitRecord) -> dict[str, Any]:
+    """A record as status reports it: its fields, and ``total_s`` (None unless applied)."""
+    return {**dataclasses.asdict(record), "total_s": record.total_s}

@@ -1,0 +1,200 @@
+"""The apply agent's core in one process: what it applies, refuses, says, and how it drains.
+
+Chunks are handed to the core as a transport would hand them (``ReceivedChunk`` with a release
+callback); its events go to a ``StateFeed`` through the daemon context, as the export agent's
+watch would hear them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from deltarl.codecs.encoder import DeltaEncoder
+from deltarl.config.refit import ApplyConfig
+from deltarl.engine.daemon import DaemonContext
+from deltarl.engine.layout import Layout
+from deltarl.engine.weight_store import WeightStore
+from deltarl.refit.apply import ApplyCore
+from deltarl.refit.receiver_state import GetReceiverState, ReceiverState, StateFeed
+from deltarl.sim.realistic_deltas import RealisticDeltas
+from deltarl.transport.base import ReceivedChunk, ReceivedManifest, make_receiver
+from deltarl.transport.link_config import ShmLinkConfig
+from deltarl.transport.messages import Event, Ok, RefitFailed, Rollback, VersionApplied
+
+PARAMS = 200_000
+
+
+class FeedContext(DaemonContext):
+    """A daemon context whose events land in a list and, for receiver states, in a feed."""
+
+    def __init__(self) -> None:
+        super().__init__("apply")
+        self.feed = StateFeed()
+        self.events: list[Event] = []  # type: ignore[assignment]
+
+    async def publish(self, event: Event) -> None:
+        self.events.append(event)
+        if isinstance(event, ReceiverState):
+            self.feed.update(event)
+
+
+def _versions(n: int) -> tuple[Layout, list[np.ndarray]]:
+    gen = RealisticDeltas(PARAMS, seed=3)
+    out = [gen.publish()]
+    for _ in range(n - 1):
+        gen.step()
+        out.append(gen.publish())
+    return gen.layout, out
+
+
+class Sender:
+    def __init__(self, layout: Layout, versions: list[np.ndarray]) -> None:
+        self.enc = DeltaEncoder(layout, chunk_bytes=64 << 10)
+        self.versions = versions
+        self.released = 0
+
+    def encoded(self, v: int, base: int | None) -> tuple[list[bytes], bytes]:
+        ref = None if base is None else self.versions[base]
+        e = self.enc.encode(self.versions[v], ref, target_version=v, base_version=base)
+        chunks = [c.data for c in e]
+        assert e.manifest is not None
+        return chunks, e.manifest.to_json()
+
+    async def send(self, core: ApplyCore, v: int, chunks: list[bytes], manifest: bytes) -> None:
+        before = self.released
+        for i, data in enumerate(chunks + chunks[:1]):  # one chunk twice: harmless
+            await core._on_chunk(ReceivedChunk(v, i % len(chunks), data, self._release))
+        await core._on_manifest(ReceivedManifest(v, manifest))
+        assert self.released - before == len(chunks) + 1  # every chunk was released
+
+    def _release(self) -> None:
+        self.released += 1
+
+
+def _core(tmp: Path, layout: Layout) -> tuple[ApplyCore, FeedContext, WeightStore]:
+    store = WeightStore.create("r", layout, root=tmp)
+    link = ShmLinkConfig(name="t", root=tmp)
+    cfg = ApplyConfig(control="ipc:///unused", rollout_store="r", link=link)
+    context = FeedContext()
+    return ApplyCore(cfg, context, store, make_receiver(link)), context, store
+
+
+def test_apply_core_refuses_what_it_cannot_apply_and_says_so(tmp_path: Path) -> None:
+    layout, vs = _versions(5)
+    tx = Sender(layout, vs)
+
+    async def scenario() -> None:
+        core, context, store = _core(tmp_path, layout)
+        assert core.needs_full  # an empty store needs a full version
+        await tx.send(core, 0, *tx.encoded(0, None))
+        await tx.send(core, 1, *tx.encoded(1, 0))
+        st = await core.on_get_state(GetReceiverState())
+        assert (st.active_version, st.needs_full, st.applied_version, st.applied_base) == (
+            1,
+            False,
+            1,
+            0,
+        )
+        assert st.committed_at >= st.started_at > 0
+        assert [e.version for e in context.events if isinstance(e, VersionApplied)] == [0, 1]
+        # a delta on a version the store does not hold is refused, and asks for a full one
+        await tx.send(core, 3, *tx.encoded(3, 2))
+        st = core.receiver_state()
+        assert (st.active_version, st.needs_full, st.failed_version) == (1, True, 3)
+        assert "refused" in st.failed_reason
+        assert any(isinstance(e, RefitFailed) and e.version == 3 for e in context.events)
+        # chunks that disagree with their manifest never become active
+        chunks, _ = tx.encoded(2, 1)
+        _, wrong = tx.encoded(2, 0)
+        await tx.send(core, 2, chunks, wrong)
+        assert (core.receiver_state().active_version, core.receiver_state().failed_version) == (
+            1,
+            2,
+        )
+        # a full version clears needs_full; rollback flips back to the version kept
+        core.finished.pop(3)
+        await tx.send(core, 3, *tx.encoded(3, None))
+        st = core.receiver_state()
+        assert (st.active_version, st.needs_full) == (3, False)
+        with store.lease() as snap:
+            assert np.array_equal(snap.buffer, vs[3])
+        assert await core.on_rollback(Rollback()) == Ok("rolled back to version 1")
+        with store.lease() as snap:
+            assert snap.version == 1
+            assert np.array_equal(snap.buffer, vs[1])
+        # a version half-received as a delta, then re-sent in full (the export agent restarted)
+        delta_chunks, _ = tx.encoded(4, 1)
+        await core._on_chunk(ReceivedChunk(4, 0, delta_chunks[0]))
+        assert core.receiver_state().applying == 4
+        assert core.status_fields()["applying"] == 4
+        await tx.send(core, 4, *tx.encoded(4, None))
+        with store.lease() as snap:
+            assert snap.version == 4
+            assert np.array_equal(snap.buffer, vs[4])
+        await core.close()
+
+    asyncio.run(scenario())
+
+
+def test_state_is_pushed_on_change_and_as_a_heartbeat(tmp_path: Path) -> None:
+    layout, vs = _versions(2)
+    tx = Sender(layout, vs)
+
+    async def scenario() -> None:
+        core, context, _ = _core(tmp_path, layout)
+        announcing = asyncio.create_task(core._announce())
+        try:
+            first = await context.feed.next(5)  # the heartbeat (nothing changed yet)
+            assert first is not None
+            assert (first.session, first.active_version, first.needs_full) == (
+                core.session,
+                None,
+                True,
+            )
+            await tx.send(core, 0, *tx.encoded(0, None))
+            # the change is pushed at once, well before the next heartbeat (1 s)
+            heard = context.feed.updates
+            state = await asyncio.wait_for(_until(context.feed, 0), 0.5)
+            assert context.feed.updates > heard
+            assert state.applied_version == 0
+        finally:
+            announcing.cancel()
+            await core.close()
+
+    asyncio.run(scenario())
+
+
+async def _until(feed: StateFeed, version: int) -> ReceiverState:
+    state = feed.latest()
+    while state is None or state.active_version != version:
+        state = await feed.next(1.0)
+    return state
+
+
+def test_drain_finishes_the_version_in_flight_and_opens_no_other(tmp_path: Path) -> None:
+    layout, vs = _versions(3)
+    tx = Sender(layout, vs)
+
+    async def scenario() -> None:
+        core, _, store = _core(tmp_path, layout)
+        await tx.send(core, 0, *tx.encoded(0, None))
+        chunks, manifest = tx.encoded(1, 0)
+        await core._on_chunk(ReceivedChunk(1, 0, chunks[0]))
+        draining = asyncio.create_task(core.drain())
+        await asyncio.sleep(0.05)
+        assert not draining.done()  # version 1 is half applied: the drain waits for it
+        for i, data in enumerate(chunks[1:], start=1):
+            await core._on_chunk(ReceivedChunk(1, i, data))
+        await core._on_manifest(ReceivedManifest(1, manifest))
+        await asyncio.wait_for(draining, 5)
+        assert store.active_version == 1
+        # draining: a new version is not started, the active one stays
+        await core._on_chunk(ReceivedChunk(2, 0, tx.encoded(2, 1)[0][0]))
+        assert core.job is None
+        assert store.active_version == 1
+        await core.close()
+
+    asyncio.run(scenario())

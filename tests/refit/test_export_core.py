@@ -1,0 +1,234 @@
+"""The export agent's core in one process, against a real apply core over a real shm link.
+
+The apply core's events reach the export core's ``StateFeed`` through a daemon context (what
+the export agent's watch does across processes), so these tests run the reference and
+acknowledgement rules end to end with no control socket: versions arrive bit-exact as deltas,
+a receiver restart (a new session) gets a full version, a silent receiver gets nothing, a
+refused version drops the reference, and a drain waits for the version in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from deltarl.config.refit import ApplyConfig, ExportConfig
+from deltarl.engine.daemon import DaemonContext
+from deltarl.engine.weight_store import WeightStore
+from deltarl.refit.apply import ApplyCore
+from deltarl.refit.export import ExportCore, Reference, put_unless_done
+from deltarl.refit.manifest_store import ManifestStore, State
+from deltarl.refit.receiver_state import ReceiverState, StateFeed
+from deltarl.sim.realistic_deltas import RealisticDeltas
+from deltarl.transport.base import make_receiver, make_sender
+from deltarl.transport.link_config import ShmLinkConfig
+from deltarl.transport.messages import Event, Resync
+
+PARAMS = 200_000
+
+
+class FeedContext(DaemonContext):
+    def __init__(self, name: str, feed: StateFeed | None = None) -> None:
+        super().__init__(name)
+        self.feed = feed
+        self.published: list[Event] = []
+
+    async def publish(self, event: Event) -> None:
+        self.published.append(event)
+        if self.feed is not None and isinstance(event, ReceiverState):
+            self.feed.update(event)
+
+
+@dataclass
+class Pair:
+    trainer: RealisticDeltas
+    published: WeightStore
+    rollout: WeightStore
+    export: ExportCore
+    apply: ApplyCore
+    feed: StateFeed
+    manifests: Path
+
+    def publish(self) -> int:
+        self.trainer.step()
+        with self.published.begin_write() as txn:
+            txn.buffer[:] = self.trainer.publish()
+            txn.commit(self.trainer.version)
+        return self.trainer.version
+
+    async def active(self, version: int, timeout_s: float = 30) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not (  # noqa: ASYNC110 - the state is in two stores
+                self.export.ref.version == version and self.rollout.active_version == version
+            ):
+                await asyncio.sleep(0.01)
+        with self.published.lease() as pub, self.rollout.lease() as got:
+            assert pub.version == got.version == version
+            assert np.array_equal(pub.buffer, got.buffer)  # bit-exact
+
+
+@contextlib.asynccontextmanager
+async def pair(tmp: Path, *, full_resync_every: int = 50) -> AsyncIterator[Pair]:
+    trainer = RealisticDeltas(PARAMS, seed=5)
+    published = WeightStore.create("pub", trainer.layout, root=tmp)
+    with published.begin_write() as txn:
+        txn.buffer[:] = trainer.publish()
+        txn.commit(trainer.version)
+    rollout = WeightStore.create("roll", trainer.layout, root=tmp)
+    link = ShmLinkConfig(name="t", root=tmp, connect_timeout_s=10)
+    feed = StateFeed()
+    acfg = ApplyConfig(control="ipc:///unused", rollout_store="roll", link=link, heartbeat_s=0.2)
+    ecfg = ExportConfig(
+        control="ipc:///unused",
+        published_store="pub",
+        manifest_store=tmp / "versions.sqlite",
+        apply_control="ipc:///unused",
+        link=link,
+        store_root=tmp,
+        full_resync_every=full_resync_every,
+        ack_timeout_s=10,
+        poll_s=0.01,
+    )
+    apply = ApplyCore(acfg, FeedContext("apply", feed), rollout, make_receiver(link))
+    export = ExportCore(
+        ecfg, FeedContext("export"), feed, make_sender(link), ManifestStore(ecfg.manifest_store)
+    )
+    tasks = [asyncio.create_task(apply.run()), asyncio.create_task(export.run())]
+    try:
+        yield Pair(trainer, published, rollout, export, apply, feed, ecfg.manifest_store)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        await export.close()
+        await apply.close()
+        published.close()
+
+
+def test_versions_arrive_bit_exact_as_deltas_acknowledged_by_events(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            for _ in range(3):
+                await p.active(p.publish())
+            kinds = [r.kind for r in p.export.recent]
+            assert kinds == ["full", "delta", "delta", "delta"]
+            last = p.export.recent[-1]
+            assert last.outcome == "active"
+            assert last.receiver is not None
+            assert last.receiver.applied_version == 3
+            assert last.total_s is not None
+            assert 0 < last.total_s < 30
+            assert p.export.status_fields()["last"]["total_s"] == last.total_s
+            with ManifestStore(p.manifests, readonly=True) as ms:
+                record = ms.get(3)
+                assert record is not None
+                assert record.state is State.ACTIVE
+
+    asyncio.run(scenario())
+
+
+def test_a_new_receiver_session_gets_a_full_version_and_resync_one_too(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            await p.active(p.publish())
+            p.apply.session = "restarted"  # what a restart of the apply agent looks like,
+            p.feed.update(p.apply.receiver_state())  # once it is heard
+            await p.active(p.publish())
+            assert p.export.recent[-1].kind == "full"
+            await p.export.on_resync(Resync())
+            await p.active(p.publish())
+            assert p.export.recent[-1].kind == "full"
+            await p.active(p.publish())
+            assert p.export.recent[-1].kind == "delta"
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_receiver_gets_nothing_until_it_is_heard(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            p.feed.stale_s = 0.3
+            p.apply.config = ApplyConfig(  # silence: no heartbeat for a long while
+                control="ipc:///unused",
+                rollout_store="roll",
+                link=p.apply.config.link,
+                heartbeat_s=3600,
+            )
+            await asyncio.sleep(1.3)  # the heartbeat task sleeps out its old period first
+            assert p.feed.latest() is None
+            version = p.publish()
+            await asyncio.sleep(0.5)
+            assert p.export.taken == 0  # nothing taken while the receiver is silent
+            assert p.export.status_fields()["detail"] == "waiting for the apply agent"
+            p.feed.update(p.apply.receiver_state())  # heard again
+            await p.active(version)
+
+    asyncio.run(scenario())
+
+
+def test_drain_waits_for_the_acknowledgement_of_the_version_in_flight(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            version = p.publish()
+            async with asyncio.timeout(10):
+                while not p.export.shipping:  # noqa: ASYNC110 - a flag of the core
+                    await asyncio.sleep(0.001)
+            await asyncio.wait_for(p.export.drain(), 30)
+            assert p.export.ref.version == version  # acknowledged before the drain returned
+            p.publish()
+            await asyncio.sleep(0.3)
+            assert p.export.taken == version  # draining: nothing new is taken
+
+    asyncio.run(scenario())
+
+
+def test_full_rule() -> None:
+    ref = Reference(np.zeros(1), 5, "s")
+    ok = ReceiverState(session="s", active_version=5, needs_full=False)
+
+    def rule(state: ReceiverState, version: int, *, resync: bool = False) -> str | None:
+        return ref.full_reason(state, version, resync=resync, every=3)
+
+    assert rule(ok, 6) is None
+    assert "restarted" in (rule(ReceiverState("t", 5, False), 6) or "")
+    assert "holds 4" in (rule(ReceiverState("s", 4, False), 6) or "")
+    assert "asked" in (rule(ReceiverState("s", 5, True), 6) or "")
+    assert "not newer" in (rule(ok, 5) or "")
+    ref.deltas_in_a_row = 3
+    assert "periodic" in (rule(ok, 6) or "")
+    ref.deltas_in_a_row = 0
+    assert rule(ok, 6, resync=True) == "resync command"
+    ref.drop()
+    assert rule(ok, 6) == "no reference"
+
+
+def test_put_returns_false_when_the_consumer_dies_on_a_full_queue() -> None:
+    async def scenario() -> tuple[bool, bool]:
+        queue: asyncio.Queue[object] = asyncio.Queue(1)
+        queue.put_nowait(object())  # full
+
+        async def consumer() -> None:
+            await asyncio.sleep(0.05)
+            raise ConnectionError("the link failed")
+
+        task = asyncio.create_task(consumer())
+        ok = await asyncio.wait_for(put_unless_done(queue, None, task), 5)  # type: ignore[arg-type]
+        assert task.done()
+        with_room = asyncio.Queue(1)  # type: ignore[var-annotated]
+        live = asyncio.create_task(asyncio.sleep(10))
+        ok2 = await put_unless_done(with_room, None, live)
+        live.cancel()
+        return ok, ok2
+
+    ok, ok2 = asyncio.run(scenario())
+    assert ok is False
+    assert ok2 is True
