@@ -57,9 +57,12 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     steps = 20
     proc = subprocess.run(
         [sys.executable, "-m", "deltarl.cli", "up", "--steps", str(steps), "--json"],
-        capture_output=True, text=True, timeout=840, check=False,
+        capture_output=True,
+        text=True,
+        timeout=840,
+        check=False,
         env={**os.environ, "DELTARL_HOME": str(home)},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout
@@ -104,8 +107,9 @@ def _wait(r: up.Run, what: str, cond: Callable[[], bool], timeout: float = 300) 
         if cond():
             return
         time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}\n"
-                         + "\n".join(f"--- {d}\n{r.tail(d)}" for d in up.ORDER))  # fmt: skip
+    raise AssertionError(
+        f"timed out waiting for {what}\n" + "\n".join(f"--- {d}\n{r.tail(d)}" for d in up.ORDER)
+    )
 
 
 def _step(r: up.Run) -> int:
@@ -120,8 +124,10 @@ def _kill(r: up.Run, daemon: str) -> None:
 
 def _prompts(directory: Path) -> dict[int, tuple[str, int | None]]:
     with sqlite3.connect(f"file:{directory}/scheduler.sqlite?mode=ro", uri=True) as conn:
-        return {pid: (state, step) for pid, state, step
-                in conn.execute("SELECT prompt_id, state, step FROM prompts")}  # fmt: skip
+        return {
+            pid: (state, step)
+            for pid, state, step in conn.execute("SELECT prompt_id, state, step FROM prompts")
+        }
 
 
 def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> None:
@@ -134,8 +140,11 @@ def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> No
     session = (run.status("rollout") or {}).get("session")
     _kill(run, "rollout")  # its groups in flight are requeued when its new session appears
     run.start("rollout")
-    _wait(run, "the new rollout session",
-          lambda: (run.status("rollout") or {}).get("session") not in (None, session))  # fmt: skip
+    _wait(
+        run,
+        "the new rollout session",
+        lambda: (run.status("rollout") or {}).get("session") not in (None, session),
+    )
     _wait(run, "step 12", lambda: _step(run) >= 12)
 
     summary: dict[str, Any] = up.summarise(run)
@@ -167,9 +176,11 @@ def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> No
 def test_ctrl_c_stops_every_daemon_cleanly(home: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltarl.cli", "up", "--steps", "50", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "DELTARL_HOME": str(home)},
-    )  # fmt: skip
+    )
     assert proc.stderr is not None
     seen = []
     for line in proc.stderr:  # progress lines, until the first step

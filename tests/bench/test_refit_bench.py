@@ -30,10 +30,23 @@ REFIT_KEYS = {
 def _bench(*args: str) -> tuple[dict[str, Any], int]:
     """The bench's JSON object, and the pid of the process that ran it."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltarl.cli", "bench", "refit", "--params", "200000",
-         "--refits", "2", "--json", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deltarl.cli",
+            "bench",
+            "refit",
+            "--params",
+            "200000",
+            "--refits",
+            "2",
+            "--json",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -87,8 +100,7 @@ def _netns_usable() -> str | None:
     why = netns.check_privilege()
     if why is not None:
         return why
-    proc = subprocess.run([netns.IP, "netns", "list"], capture_output=True, text=True,
-                          check=False)  # fmt: skip
+    proc = subprocess.run([netns.IP, "netns", "list"], capture_output=True, text=True, check=False)
     return None if proc.returncode == 0 else f"ip netns fails: {proc.stderr.strip()}"
 
 
@@ -107,10 +119,22 @@ def test_bench_refit_shaped_stream_and_namespaces_cleaned_up() -> None:
 
 def test_rate_without_stream_is_refused() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "deltarl.cli", "bench", "refit", "--link", "shm",
-         "--rate-mbit", "10"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deltarl.cli",
+            "bench",
+            "refit",
+            "--link",
+            "shm",
+            "--rate-mbit",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 2
     assert "--rate-mbit shapes the stream link only" in out.stderr
 

@@ -1,0 +1,93 @@
+"""How ``deltarl bench refit`` reports: the targets, the verdicts, the table, the limit.
+
+The figures come from ``bench/refit.py``'s result; see its docstring for what each means.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+TARGETS = {"speedup_100mbit": 20.0, "speedup_1gbit": 8.0, "pipeline": 1.25}
+STAGES = ("encode_s", "transfer_s", "apply_s", "activate_s")
+
+
+def limits(result: dict[str, Any]) -> str:
+    """Which stage bounds the delta refits, as a sentence."""
+    deltas = [r for r in result["refits"] if r["kind"] == "delta"] or result["refits"]
+    med = {s: statistics.median(r[s] for r in deltas) for s in STAGES}
+    slowest = max(med, key=med.__getitem__)
+    total = result["delta_total_s_median"]
+    parts = ", ".join(f"{s[:-2]} {v * 1e3:.1f} ms" for s, v in med.items())
+    other = total - med[slowest]
+    return (
+        f"delta refits are limited by {slowest[:-2]} ({med[slowest] * 1e3:.1f} ms of "
+        f"{total * 1e3:.1f} ms median total; medians: {parts}; the rest, "
+        f"{other * 1e3:.1f} ms, is unoverlapped stages, copy-out and control round trips)"
+    )
+
+
+def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Each target as (description with the measured figure, met)."""
+    rows: list[tuple[str, bool]] = []
+    pipe = TARGETS["pipeline"]
+    for r in result["refits"]:
+        slowest = max(r[s] for s in STAGES)
+        ratio = r["total_s"] / slowest if slowest > 0 else float("inf")
+        rows += [
+            (
+                f"refit {r['version']}: bit-exact (checked against the trainer's store)",
+                r["bit_exact"],
+            ),
+            (
+                f"refit {r['version']}: total {ratio:.2f}x its slowest stage (target <= {pipe})",
+                ratio <= pipe,
+            ),
+        ]
+    rate, speedup = result["rate_mbit"], result["speedup"]
+    where = f"{result['params']:,} params" + (
+        "" if result["params"] == 100_000_000 else ", the target is stated for 100M"
+    )
+    if rate == 100:
+        t = TARGETS["speedup_100mbit"]
+        rows.append((f"speedup {speedup:.1f}x at 100 Mbit ({where}; target >= {t})", speedup >= t))
+    elif rate == 1000:
+        t = TARGETS["speedup_1gbit"]
+        rows.append((f"speedup {speedup:.1f}x at 1 Gbit ({where}; target >= {t})", speedup >= t))
+    return rows
+
+
+def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> str:
+    rate = "unshaped" if result["rate_mbit"] is None else f"{result['rate_mbit']:g} Mbit/s (tbf)"
+    full = result["full"]
+    lines = [
+        f"refit benchmark: {result['params']:,} parameters (bf16), link {result['link']}, {rate}",
+        "",
+        f"{'version':>7} {'kind':>5} {'changed':>8} {'wire KB':>10} {'encode ms':>9} "
+        f"{'xfer ms':>8} {'apply ms':>8} {'activ ms':>8} {'total ms':>9} {'bit-exact':>9}",
+    ]
+    lines += [
+        f"{r['version']:>7} {r['kind']:>5} {r['changed_ratio']:>8.4%} "
+        f"{r['wire_bytes'] / 1e3:>10.1f} {r['encode_s'] * 1e3:>9.1f} "
+        f"{r['transfer_s'] * 1e3:>8.1f} {r['apply_s'] * 1e3:>8.1f} "
+        f"{r['activate_s'] * 1e3:>8.1f} {r['total_s'] * 1e3:>9.1f} "
+        f"{'yes' if r['bit_exact'] else 'NO':>9}"
+        for r in result["refits"]
+    ]
+    lines += [
+        "",
+        f"full transfer: {full['wire_bytes'] / 1e6:.1f} MB in {full['total_s'] * 1e3:.1f} ms; "
+        f"median delta {result['delta_total_s_median'] * 1e3:.1f} ms; "
+        f"speedup {result['speedup']:.1f}x",
+        limits(result),
+    ]
+    for d in diag or []:
+        lines.append(
+            f"  version {d['version']}: lease {d['copy_s'] * 1e3:.1f} ms, apply opened "
+            f"{d['first_chunk_after_s'] * 1e3:.1f} ms after encoding began (open + copy of the "
+            f"active buffer {d['open_s'] * 1e3:.1f} ms), commit {d['sent_to_commit_s'] * 1e3:.1f}"
+            f" ms after the last send returned"
+        )
+    lines.append("")
+    lines += [f"  [{'ok' if ok else 'MISS'}] {text}" for text, ok in verdicts(result)]
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""What ``deltarl up`` shows: a progress line per optimizer step, and the summary.
+
+Every figure is read from the daemons' ``status`` and the scheduler's run history (see the
+``deltarl up`` docstring for where each comes from); nothing here starts or stops anything.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltarl.up import Run
+
+
+def _f(value: Any, fmt: str = ".3f") -> str:  # noqa: ANN401 - a JSON number or None
+    return "-" if value is None else format(value, fmt)
+
+
+class Progress:
+    """One line per new trainer step: step, reward, lag, the latest refit, samples/s."""
+
+    def __init__(self, run: Run, out: IO[str]) -> None:
+        self.run = run
+        self.out = out
+        self.shown = 0
+        self.t0 = time.monotonic()
+
+    def samples_per_s(self, rows: dict[int, dict[str, Any]], step: int) -> float:
+        """Samples trained per second, over the steps so far (first shipped to ``step`` done)."""
+        done = [rows[i] for i in sorted(rows) if i <= step]
+        if len(done) < 2 or done[-1].get("done_at") is None:
+            return 0.0
+        span = float(done[-1]["done_at"]) - float(done[0]["shipped_at"])
+        return sum(int(r.get("samples") or 0) for r in done) / span if span > 0 else 0.0
+
+    def poll(self) -> int:
+        """The trainer's step (0 before the first); prints lines for steps not yet shown."""
+        trainer = self.run.status("trainer") or {}
+        step = int(trainer.get("step") or 0)
+        if step <= self.shown:
+            return step
+        history = self.run.history()
+        rows = {} if history is None else {int(r["step"]): r for r in history.steps}
+        export = self.run.status("export") or {}
+        last = export.get("last") or {}
+        rollout = self.run.status("rollout") or {}
+        for s in range(self.shown + 1, step + 1):
+            row = rows.get(s, {})
+            print(
+                f"step {s:>3}/{self.run.steps}  reward {_f(row.get('reward_mean'))}"
+                f"  lag {_f(row.get('lag_max'), 'd') if row.get('lag_max') is not None else '-'}"
+                f"  refit {_f(last.get('seconds'))} s {(last.get('wire_bytes') or 0) / 1e3:.1f} kB"
+                f"  engine v{rollout.get('weight_version', '-')}"
+                f"  {self.samples_per_s(rows, s):.1f} samples/s"
+                f"  {time.monotonic() - self.t0:6.1f} s",
+                file=self.out,
+                flush=True,
+            )
+        self.shown = step
+        return step
+
+
+def _mean_reward(rows: list[dict[str, Any]]) -> float:
+    values = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
+    return round(statistics.fmean(values), 6) if values else float("nan")
+
+
+class SummaryError(RuntimeError):
+    """The run cannot be summarised honestly (a daemon did not answer)."""
+
+
+def summarise(run: Run) -> dict[str, Any]:
+    history = run.history()
+    if history is None:
+        raise SummaryError("the scheduler did not return the run history")
+    if run.status("rollout") is None or run.status("export") is None:
+        raise SummaryError("the rollout daemon or the export agent did not answer status")
+    rows = sorted(history.steps, key=lambda r: int(r["step"])) if history else []
+    counters = dict(history.counters) if history else {}
+    rollout = run.status("rollout") or {}
+    export = run.status("export") or {}
+    refits: list[dict[str, Any]] = rollout.get("refits") or []
+    # From the export agent taking a version out of the trainer's store to the engine holding
+    # it, verified (both CLOCK_MONOTONIC, shared by every process on the host). Versions the
+    # export agent no longer lists (it keeps its last 64) are left out, not counted as zero.
+    taken = {
+        int(r["version"]): float(r["taken_at"])
+        for r in export.get("recent") or []
+        if r.get("outcome") == "active" and r.get("taken_at") is not None
+    }
+    totals = [
+        float(r["done"]) - taken[int(r["version"])]
+        for r in refits
+        if int(r["version"]) in taken and r.get("done") is not None
+    ]
+    # Duplicates are counted from what the trainer says it trained (StepDone metrics: group id
+    # -> samples, one row per step; a step replayed after a trainer restart replaces its row),
+    # not from the scheduler's own bookkeeping, so this checks the scheduler rather than
+    # repeating it. A group id is "<prompt id>.<attempt>".
+    seen: set[str] = set()
+    duplicates = 0
+    for row in rows:
+        for group, samples in ((row.get("metrics") or {}).get("groups") or {}).items():
+            prompt = str(group).split(".")[0]
+            if prompt in seen:
+                duplicates += int(samples)
+            seen.add(prompt)
+    lags = [int(r["lag_max"]) for r in rows if r.get("lag_max") is not None]
+    return {
+        "steps": len(rows),
+        "engine": str(rollout.get("engine") or "none"),
+        "versions_applied": [int(r["version"]) for r in refits],
+        "reward_first": _mean_reward(rows[:3]),
+        "reward_last": _mean_reward(rows[-3:]),
+        "refit_median_s": round(statistics.median(totals), 6) if totals else float("nan"),
+        "refit_bit_exact": bool(refits)
+        and all(r.get("verified") for r in refits)
+        and rollout.get("mismatches") == 0,
+        "samples_trained": sum(int(r.get("samples") or 0) for r in rows),
+        "duplicate_samples": duplicates,
+        "max_policy_lag": max(lags, default=0),
+        "counters": counters,
+    }
+
+
+def _not_trained(counters: dict[str, Any]) -> str:
+    """Every drop, requeue and lag action the scheduler counted, with its reason."""
+    shown = {
+        k: v
+        for k, v in counters.items()
+        if k.split(".")[0] in ("dropped_groups", "requeued", "lag", "abandoned_prompts", "submit")
+        and v
+    }
+    if not shown:
+        return "nothing dropped or requeued"
+    return ", ".join(f"{k} {v}" for k, v in sorted(shown.items()))
+
+
+def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
+    s = summary
+    versions = s["versions_applied"]
+    shown = ", ".join(map(str, versions[:12])) + (" ..." if len(versions) > 12 else "")
+    rise = s["reward_last"] - s["reward_first"]
+    exact = (
+        "yes: every load checked inside the engine against the manifest"
+        if s["refit_bit_exact"]
+        else f"NO: see {run.log('rollout')}"
+    )
+    lines = [
+        f"deltarl up: {s['steps']} optimizer steps of GRPO on the embedded tiny model.",
+        f"  rollout engine    {s['engine']}",
+        f"  reward            {s['reward_first']:.3f} (first 3 steps) -> "
+        f"{s['reward_last']:.3f} (last 3): {rise:+.3f}",
+        f"  samples trained   {s['samples_trained']} (trained twice: {s['duplicate_samples']})",
+        f"  policy lag        at most {s['max_policy_lag']} steps (trainer version minus a "
+        "sample's oldest token version)",
+        f"  weight refits     {len(versions)} versions loaded into the engine ({shown})",
+        f"  refit time        median {s['refit_median_s']:.3f} s, export pick-up to engine",
+        f"  bit-exact         {exact}",
+        f"  not trained       {_not_trained(s.get('counters') or {})}",
+        f"  logs and state    {run.directory}",
+    ]
+    print("\n" + "\n".join(lines), file=out)
