@@ -192,7 +192,7 @@ class Refits:
         applied = last.get("receiver") or {}
         if applied.get("applied_version") != version or last.get("total_s") is None:
             raise BenchError(f"version {version} was not acknowledged as applied: {last}")
-        bit_exact, now, numel = _bit_exact(self.d.tmp, version)
+        bit_exact, now, numel = _bit_exact(self.d.directory, version)
         a, b = reference.view(np.uint16), now.view(np.uint16)
         changed = int(np.count_nonzero(a != b))
         record = {

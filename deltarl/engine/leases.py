@@ -174,7 +174,13 @@ def take_lease(
                         f"{pointer.state(index).name}, not READY; the segment is corrupt"
                     )
                 return Snapshot(
-                    fd, buffers[index], layout, index=index, generation=word >> 1, version=version
+                    fd,
+                    buffers[index],
+                    layout,
+                    index=index,
+                    generation=word >> 1,
+                    version=version,
+                    digest=pointer.digest(index),
                 )
             unlock(fd, LOCK_BUFFER[index])
             continue  # a flip raced us: retry at once
@@ -205,8 +211,11 @@ class Snapshot:
         index: int,
         generation: int,
         version: int,
+        digest: str | None = None,
     ) -> None:
         self.version = version
+        self.digest = digest
+        """The model digest committed with this version (its manifest's), or None."""
         self.index = index  # which of the two buffers
         self.generation = generation  # of the pointer word when the lease was taken
         self.layout = layout

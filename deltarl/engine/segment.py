@@ -28,8 +28,11 @@ a segment, name its format version in an error, and judge whether its creator is
 The live words (native-endian uint64, each on its own cache line; see version_pointer.py):
 
     192  version pointer: generation << 1 | active buffer index; generation 0 = none active
-    256  buffer 0: state, version
-    320  buffer 1: state, version
+    256  buffer 0: state, version, model digest (high, low), digest set
+    320  buffer 1: state, version, model digest (high, low), digest set
+
+The digest words were zero and unread before they were used, so a segment of an older deltarl
+reads as "no digest" and the format version did not change.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import numpy as np
 # fixed header, and each live word gets a cache line of its own.
 POINTER_WORD = 24  # byte 192
 META_WORDS: tuple[int, int] = (32, 40)  # bytes 256 and 320: [state, version] of each buffer
+DIGEST_OFFSET = 2  # then [digest high, digest low, digest set] on the same cache line
 
 
 class BufferState(enum.IntEnum):
@@ -78,6 +79,30 @@ class VersionPointer:
         if version is not None:
             self._words[META_WORDS[index] + 1] = np.uint64(version)
         self._words[META_WORDS[index]] = np.uint64(state)
+
+    def set_digest(self, index: int, digest: str | None) -> None:
+        """Record the model digest (xxh3-128, 32 hex digits) of what buffer ``index`` holds,
+        or that none is known; before it is marked READY, under the same locks as ``mark``.
+
+        A reader takes it under its lease on the buffer, so it belongs to the very bytes it
+        leased (the words of a leased buffer cannot change: I2)."""
+        at = META_WORDS[index] + DIGEST_OFFSET
+        if digest is None:
+            self._words[at + 2] = np.uint64(0)
+            return
+        value = int(digest, 16)
+        if len(digest) != 32 or value >> 128:
+            raise ValueError(f"a model digest is 32 hex digits, got {digest!r}")
+        self._words[at] = np.uint64(value >> 64)
+        self._words[at + 1] = np.uint64(value & (1 << 64) - 1)
+        self._words[at + 2] = np.uint64(1)
+
+    def digest(self, index: int) -> str | None:
+        """The model digest recorded with buffer ``index``'s version, or None."""
+        at = META_WORDS[index] + DIGEST_OFFSET
+        if not int(self._words[at + 2]):
+            return None
+        return f"{int(self._words[at]) << 64 | int(self._words[at + 1]):032x}"
 
     def active_version(self) -> int | None:
         """The active version without any lock: a hint, consistent with one moment in time."""

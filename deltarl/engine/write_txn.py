@@ -103,11 +103,13 @@ class WriteTxn:
         np.copyto(self.buffer, self._active)
         self._base_version = self.active_version
 
-    def commit(self, version: int, *, allow_older: bool = False) -> None:
+    def commit(self, version: int, *, allow_older: bool = False, digest: str | None = None) -> None:
         """Mark the target READY as ``version`` and make it active, all at once for readers.
 
         ``version`` must exceed the active version unless ``allow_older`` (a deliberate
-        downgrade, e.g. a full resync to an older checkpoint).
+        downgrade, e.g. a full resync to an older checkpoint). ``digest``: the model digest
+        of the manifest these bytes were verified against (``Snapshot.digest`` for readers),
+        so a reader proves what it loaded under its own lease, asking nobody.
         """
         self._check_live()
         try:
@@ -122,6 +124,7 @@ class WriteTxn:
                 f"version {version} does not increase over the active version {current}; "
                 f"pass allow_older=True to make it active anyway"
             )
+        self._pointer.set_digest(self.index, digest)  # with the bytes, before READY
         self._pointer.mark(self.index, BufferState.READY, version)  # I1: READY before the flip
         self._pointer.flip(self.index)
         self._close_fd()  # unlock only after the last store (see "Memory ordering")

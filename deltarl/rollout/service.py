@@ -35,14 +35,14 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from deltarl.daemons.config import ConfigError
+from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 from deltarl.engine.weight_store import WeightStore
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
-from deltarl.transport.messages import Command, Error, Ok, Reply, Status
+from deltarl.transport.messages import Command, Error, Ok, Reply
 
 if TYPE_CHECKING:
-    from deltarl.daemons.rollout import RolloutConfig
+    from deltarl.config.rl import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,11 @@ class RolloutService(DaemonCore):
         config: RolloutConfig,
         scheduler: Ask,
         context: DaemonContext,
-        apply_status: Callable[[float], Awaitable[Reply]] | None = None,
     ) -> None:
         self.config = config
         self.context = context
         self.session = secrets.token_hex(8)
         self.scheduler = scheduler
-        self.apply_status = apply_status
         self.gate = PauseGate()
         self.draining = False
         self._emptied = asyncio.Event()  # set whenever no group is in flight or submitting
@@ -100,7 +98,6 @@ class RolloutService(DaemonCore):
         self.refit_errors = 0
         self.failed_groups = 0
         self._last_digest: str | None = None  # what the engine reported at its last load
-        self._recheck_at = 0.0
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -140,8 +137,6 @@ class RolloutService(DaemonCore):
         active = self.store.active_version
         if active is not None and active != self.engine_version:
             await self._refit(active)
-        elif self.unverified is not None and time.monotonic() >= self._recheck_at:
-            await self._recheck()
         waiting_for_sync = self.sync_to is not None and (self.engine_version or 0) < self.sync_to
         room = self.config.max_running_groups - len(self.in_flight)
         taking = not self.gate.paused and not self.draining and self.unverified is None
@@ -170,22 +165,6 @@ class RolloutService(DaemonCore):
         """One engine step and, read on the same thread, the requests still waiting."""
         finished = self.engine.step()
         return finished, self.engine.queued_requests()
-
-    async def _recheck(self) -> None:
-        """Weights loaded but not proven (no digest yet, or the apply agent was down): ask
-        again, at most once a second, rather than wait for a newer version that may never
-        come while no samples flow."""
-        self._recheck_at = time.monotonic() + 1.0
-        if self.engine_version is None or self._last_digest is None:
-            return
-        expected = await self._expected_digest(self.engine_version, within_s=0.5)
-        if expected is not None and expected == self._last_digest:
-            logger.info("version %d verified late", self.engine_version)
-            self.verified += 1
-            self.mismatches -= 1  # it was counted unverified, not wrong
-            self.unverified = None
-            if self.refits and self.refits[-1]["version"] == self.engine_version:
-                self.refits[-1]["verified"] = True
 
     async def _get_work(self, room: int) -> None:
         reply = await self._ask(
@@ -300,7 +279,9 @@ class RolloutService(DaemonCore):
             return
         seconds = time.monotonic() - t0
         loaded = int(result["version"])  # the store may have flipped again: that one is loaded
-        expected = await self._expected_digest(loaded)
+        # The manifest's digest, committed with the version and read under the worker's own
+        # lease: what the engine's digest must equal. Nobody is asked.
+        expected = result.get("manifest_digest")
         if expected is not None and expected != result["digest"]:
             # Once more, every tensor: a partial load builds on what the engine held before.
             logger.error(
@@ -318,9 +299,8 @@ class RolloutService(DaemonCore):
                 only_changed=False,
             )
             seconds = time.monotonic() - t0
-            if int(result["version"]) != loaded:  # the store flipped meanwhile
-                loaded = int(result["version"])
-                expected = await self._expected_digest(loaded)
+            loaded = int(result["version"])  # the store may have flipped meanwhile
+            expected = result.get("manifest_digest")
         ok = expected is not None and expected == result["digest"]
         if ok:
             self.verified += 1
@@ -333,12 +313,11 @@ class RolloutService(DaemonCore):
             self.unverified = (
                 f"version {loaded}: engine digest {result['digest']}, manifest {expected}"
                 if expected is not None
-                else f"version {loaded}: the apply agent reported no manifest digest"
+                else f"version {loaded}: no manifest digest was committed with it"
             )
             logger.error("not generating: %s", self.unverified)
         self.engine_version = loaded
         self._last_digest = str(result["digest"])
-        self._recheck_at = time.monotonic() + 1.0
         # "done": CLOCK_MONOTONIC, which every process on the host shares, so `deltarl up` can
         # measure from the export agent's pick-up (its ``taken_at``) to here.
         self.refits.append(
@@ -356,25 +335,6 @@ class RolloutService(DaemonCore):
             seconds,
             "verified" if ok else "NOT VERIFIED",
         )
-
-    async def _expected_digest(self, version: int, within_s: float = 3.0) -> str | None:
-        """The manifest's model digest of ``version``, as the apply agent reports it; None if
-        it does not within ``within_s`` (the loop goes on and asks again later)."""
-        if self.apply_status is None:
-            return None
-        deadline = time.monotonic() + within_s
-        while True:  # the apply agent reports a version right after its flip
-            try:
-                reply = await self.apply_status(max(0.2, within_s / 3))
-            except (TimeoutError, ConnectionError):
-                reply = None
-            if isinstance(reply, Status):
-                digest = (reply.fields.get("digests") or {}).get(str(version))
-                if digest is not None:
-                    return str(digest)
-            if time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(0.1)
 
     # -- health ---------------------------------------------------------------------------
 

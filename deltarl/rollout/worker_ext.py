@@ -116,7 +116,9 @@ class DeltaWorkerExtension:
         copy of a read-back parameter (the CPU lm_head GEMM keeps a packed copy) is derived
         from the parameter by vLLM, not compared.
 
-        Returns ``version``, ``digest``, ``tensors`` (how many were handed over and consumed),
+        Returns ``version``, ``digest``, ``manifest_digest`` (the digest the apply agent
+        committed with this version, read under the same lease: what ``digest`` must equal;
+        None for a store written without one), ``tensors`` (how many were handed over and consumed),
         ``total`` (in the version), ``readback_tensors`` (how many were read back and equal),
         and timings in seconds.
         """
@@ -168,6 +170,7 @@ class DeltaWorkerExtension:
             self._deltarl_digests = digests
             self._deltarl_version = snap.version
             version = snap.version
+            manifest_digest = snap.digest
         t_end = time.perf_counter()
         logger.info(
             "loaded weight version %d: %d of %d tensors, %d read back, in %.3f s",
@@ -180,6 +183,7 @@ class DeltaWorkerExtension:
         return {
             "version": version,
             "digest": model_digest(digests[n] for n in names),
+            "manifest_digest": manifest_digest,
             "tensors": len(chosen),
             "total": len(names),
             "readback_tensors": readback,

@@ -51,8 +51,11 @@ class Publisher:
     def active_version(self) -> int | None:
         return self.store.active_version
 
-    def publish(self, version: int, *, allow_older: bool = False) -> None:
-        """Commit the current parameters, rounded to bf16, as ``version``.
+    def publish(
+        self, version: int, *, allow_older: bool = False, digest: str | None = None
+    ) -> None:
+        """Commit the current parameters, rounded to bf16, as ``version`` (with ``digest``,
+        the model digest readers prove their load against: ``WriteTxn.commit``).
 
         Each parameter is copied straight into its slot of the target buffer (the cast
         happens inside ``copy_``), so no full-size bf16 copy of the model is made.
@@ -70,7 +73,7 @@ class Publisher:
                     )
                 dst = torch.from_numpy(self.layout.view(buf, tid)).view(torch.bfloat16)
                 dst.copy_(p.detach().reshape(-1))
-            txn.commit(version, allow_older=allow_older)
+            txn.commit(version, allow_older=allow_older, digest=digest)
 
     def close(self) -> None:
         self.store.close()
