@@ -260,9 +260,9 @@ def _decode_body(body: memoryview) -> Group:
     versions, logprobs = r.array(_I32, totals[3]), r.array(_F32, totals[2])
     tokens, prompts = r.array(_I32, totals[1]), r.array(_I32, totals[0])
     group_id = _text(r.take(gid_len), "group_id")
-    _check_values(tokens, prompts, versions, logprobs)
     offsets = np.zeros((n + 1, _COUNTS), dtype=np.int64)
     np.cumsum(counts, axis=0, out=offsets[1:])
+    _check_values(offsets, tokens, prompts, versions, logprobs)
     texts, finishes = r.take(totals[4]), r.take(totals[5])
     samples = []
     for i in range(n):
@@ -291,23 +291,52 @@ def _decode_body(body: memoryview) -> Group:
 
 
 def _check_values(
-    tokens: IntArray, prompts: IntArray, versions: IntArray, logprobs: FloatArray
+    offsets: npt.NDArray[np.int64],
+    tokens: IntArray,
+    prompts: IntArray,
+    versions: IntArray,
+    logprobs: FloatArray,
 ) -> None:
-    """Whole-group checks, one vectorised pass each (the sample is named only on failure)."""
-    for name, values in (
-        ("token_ids", tokens),
-        ("prompt_token_ids", prompts),
-        ("token_versions", versions),
+    """Whole-group checks, one vectorised pass each; a failure names its sample."""
+
+    def fail(column: int, flat: int, message: str) -> SampleError:
+        sample = int(np.searchsorted(offsets[1:, column], flat, side="right"))
+        return SampleError(f"sample {sample}: {message}")
+
+    for column, name, values in (
+        (1, "token_ids", tokens),
+        (0, "prompt_token_ids", prompts),
+        (3, "token_versions", versions),
     ):
         if values.size and int(values.min()) < 0:
-            raise SampleError(f"{name} must not be negative, found {int(values.min())}")
+            at = int(values.argmin())
+            raise fail(column, at, f"{name} must not be negative, found {int(values[at])}")
     if logprobs.size:
-        if not bool(np.isfinite(logprobs).all()):
-            raise SampleError("logprobs must be finite numbers, found a NaN or an infinity")
-        if float(logprobs.max()) > 0.0:
-            raise SampleError(
-                f"logprobs must be log-probabilities (<= 0), found {float(logprobs.max())}"
+        bad = ~np.isfinite(logprobs)
+        if bool(bad.any()):
+            raise fail(
+                2,
+                int(bad.argmax()),
+                f"logprobs must be finite numbers, found {float(logprobs[int(bad.argmax())])}",
             )
+        if float(logprobs.max()) > 0.0:
+            at = int(logprobs.argmax())
+            raise fail(2, at, f"logprobs must be log-probabilities (<= 0), found {logprobs[at]}")
+
+
+def sample_count(data: bytes | bytearray | memoryview) -> int:
+    """The samples an encoded group says it holds if its framing and checksum are sound, else
+    0: what a refused group is counted as (its samples cannot be trusted, their number can)."""
+    view = memoryview(data).cast("B")
+    if len(view) < _HEADER.size + _GROUP.size:
+        return 0
+    magic, version, _, body_len, checksum = _HEADER.unpack_from(view)
+    body = view[_HEADER.size :]
+    if (magic, version, body_len) != (MAGIC, FORMAT_VERSION, len(body)):
+        return 0
+    if xxhash.xxh3_64_intdigest(body) != checksum:
+        return 0
+    return min(int(_GROUP.unpack_from(body)[1]), MAX_SAMPLES)
 
 
 def _text(raw: memoryview, name: str) -> str:

@@ -17,6 +17,7 @@ from deltarl.rl.samples import (
     SampleError,
     decode_group,
     encode_group,
+    sample_count,
 )
 
 HEADER = 24
@@ -151,9 +152,21 @@ def test_garbage_raises_sample_error(raw: bytes) -> None:
     ],
 )
 def test_semantic_defects_are_named(overrides: dict[str, object], message: str) -> None:
-    data = encode_group(_group(**overrides))  # representable: refused on decode only
-    with pytest.raises(SampleError, match=message):
+    good = Sample([9], [1], [-1.0], [0])
+    g = _group(**overrides)
+    data = encode_group(Group(g.group_id, g.prompt_id, (good, *g.samples)))
+    with pytest.raises(SampleError, match=message) as err:  # representable, refused on decode
         decode_group(data)
+    assert str(err.value).startswith("sample 1: ")  # the sample is named
+    assert sample_count(data) == 3  # framing sound: the refused group is counted whole
+
+
+def test_sample_count_is_zero_for_unsound_framing() -> None:
+    data = encode_group(_group())
+    assert sample_count(data) == 2
+    assert sample_count(data[:-1]) == 0
+    assert sample_count(data[:-1] + b"\x00") == 0
+    assert sample_count(b"") == 0
 
 
 def test_framing_defects_are_named() -> None:
