@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from deltarl.transport.blobs import DEFAULT_MAX_FRAME_BYTES, samples_endpoint
+from deltarl.transport.control import check_endpoint
+
 LagAction = Literal["throttle", "drop", "sync"]
 
 
@@ -79,6 +82,14 @@ class SchedulerConfig:
     """The scheduler's control endpoint: rollout daemons, the trainer and ``ctl`` talk to it."""
     db: Path
     """The sqlite store (deltarl.scheduler.store): cursor, groups, counters, run metadata."""
+    samples: str | None = None
+    """The samples endpoint (deltarl.transport.blobs), where rollout daemons put and the
+    trainer gets encoded groups; None: derived from ``control`` (``samples_endpoint``)."""
+    samples_grace_s: float = 600.0
+    """A blob put on the samples endpoint that no submit has referred to for this long is
+    removed (its submit never came, or was refused)."""
+    max_sample_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """The largest encoded group the samples endpoint takes; bigger is refused (too_large)."""
     task: str = "default"
     """The task by name (deltarl.rl.task.TASKS): prompts and reward."""
     policy: str = "fifo"
@@ -133,7 +144,17 @@ class SchedulerConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
-        for key in ("heartbeat_timeout_s", "lease_s", "reward_timeout_s", "tick_s", "wait_s"):
+        samples_endpoint(self.control) if self.samples is None else check_endpoint(self.samples)
+        if self.max_sample_bytes < 1:
+            raise ValueError(f"max_sample_bytes must be positive, got {self.max_sample_bytes}")
+        for key in (
+            "heartbeat_timeout_s",
+            "lease_s",
+            "reward_timeout_s",
+            "tick_s",
+            "wait_s",
+            "samples_grace_s",
+        ):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
         for key in ("max_policy_lag_steps", "reward_retries", "max_reward_failures",
@@ -145,6 +166,11 @@ class SchedulerConfig:
                 f"pool_capacity ({self.pool_capacity}) must hold at least groups_per_step "
                 f"({self.groups_per_step}), or no step could ever be filled"
             )
+
+    @property
+    def samples_endpoint(self) -> str:
+        """Where the samples socket is bound: ``samples``, or the one derived from ``control``."""
+        return samples_endpoint(self.control) if self.samples is None else self.samples
 
     @property
     def sampling_params(self) -> Sampling:
