@@ -16,7 +16,8 @@ from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import REPLIES
 from deltarl.rollout.service import RolloutService
-from deltarl.transport.control import ControlClient
+from deltarl.transport.blobs import BlobClient, samples_endpoint
+from deltarl.transport.control import ControlClient, check_endpoint
 from deltarl.transport.messages import GetStatus
 
 
@@ -24,7 +25,7 @@ from deltarl.transport.messages import GetStatus
 class RolloutConfig:
     control: str
     scheduler: str
-    """The scheduler's control endpoint (work, samples, heartbeats)."""
+    """The scheduler's control endpoint (work, submits, heartbeats)."""
     rollout_store: str
     """The apply agent's store: the weights this engine serves."""
     apply_control: str | None = None
@@ -44,16 +45,31 @@ class RolloutConfig:
     """How long to wait for the apply agent's store to hold a first version."""
     engine: dict[str, Any] = field(default_factory=dict)
     """Knobs of ``VllmEngineConfig`` (max_model_len, kv_cache_gb, seed, ...)."""
+    scheduler_samples: str | None = None
+    """The scheduler's samples endpoint, where finished groups are put before their submit;
+    None: derived from ``scheduler`` as the scheduler derives it (``samples_endpoint``)."""
+
+    def __post_init__(self) -> None:
+        # ValueError here becomes a ConfigError naming the file and table (config._build).
+        self.samples_endpoint  # noqa: B018 - derived (or checked) now, not at the first put
+
+    @property
+    def samples_endpoint(self) -> str:
+        if self.scheduler_samples is not None:
+            return check_endpoint(self.scheduler_samples)
+        return samples_endpoint(self.scheduler)
 
 
 async def _build(cfg: RolloutConfig, context: DaemonContext) -> RolloutService:
     scheduler = ControlClient(cfg.scheduler, replies=REPLIES)
+    samples = BlobClient(cfg.samples_endpoint)
     apply = None if cfg.apply_control is None else ControlClient(cfg.apply_control)
     context.on_close(scheduler.close)
+    context.on_close(samples.close)
     if apply is not None:
         context.on_close(apply.close)
     status = None if apply is None else partial(apply.request, GetStatus())
-    return RolloutService(cfg, scheduler.request, context, status)
+    return RolloutService(cfg, scheduler.request, context, status, samples.put)
 
 
 def main(argv: list[str]) -> int:
