@@ -16,6 +16,7 @@ from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import REPLIES
 from deltarl.trainer.service import TrainerService
+from deltarl.transport.blobs import BlobClient, samples_endpoint
 from deltarl.transport.control import ControlClient, check_endpoint
 
 
@@ -35,6 +36,9 @@ class RLTrainerConfig:
     checkpoint_dir: Path
     store_root: Path | None = None
     """Directory of the weight stores; None: /dev/shm."""
+    scheduler_samples: str | None = None
+    """The scheduler's samples endpoint, where a batch's samples are fetched by reference;
+    None: derived from ``scheduler`` as the scheduler derives it (``samples_endpoint``)."""
     checkpoint_every: int = 10
     """Steps between checkpoints (and at ``max_steps`` and on a clean shutdown)."""
     keep_checkpoints: int = 3
@@ -69,6 +73,7 @@ class RLTrainerConfig:
     def __post_init__(self) -> None:
         # ValueError here becomes a ConfigError naming the file and table (config._build).
         check_endpoint(self.scheduler)
+        self.samples_endpoint  # noqa: B018 - derived (or checked) now, not at the first fetch
         for key in ("checkpoint_every", "keep_checkpoints", "groups_per_step", "micro_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
@@ -79,11 +84,19 @@ class RLTrainerConfig:
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must not be negative, got {getattr(self, key)}")
 
+    @property
+    def samples_endpoint(self) -> str:
+        if self.scheduler_samples is not None:
+            return check_endpoint(self.scheduler_samples)
+        return samples_endpoint(self.scheduler)
+
 
 async def _build(cfg: RLTrainerConfig, context: DaemonContext) -> TrainerService:
     scheduler = ControlClient(cfg.scheduler, replies=REPLIES)
+    samples = BlobClient(cfg.samples_endpoint)
     context.on_close(scheduler.close)
-    return TrainerService(cfg, scheduler.request)
+    context.on_close(samples.close)
+    return TrainerService(cfg, scheduler.request, samples.get)
 
 
 def main(argv: list[str]) -> int:
