@@ -18,6 +18,7 @@ import pytest
 
 from deltarl import ctl
 from deltarl.engine.segment import segment_path
+from deltarl.transport.blobs import samples_endpoint
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 SERVICES = {
@@ -270,6 +271,7 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
         "scheduler": {
             "control",
             "db",
+            "samples",
             "group_size",
             "groups_per_step",
             "pool_capacity",
@@ -294,6 +296,8 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
         assert table["checkpoint_dir"].startswith("/var/lib/deltarl/")  # the StateDirectory
     if daemon == "scheduler":
         assert table["db"].startswith("/var/lib/deltarl/")  # the StateDirectory
+        # Shown as what every daemon derives when it is not set.
+        assert table["samples"] == samples_endpoint(table["control"])
     if daemon == "rollout":
         assert table["rollout_store"] == config["apply"]["rollout_store"]
         assert table["apply_control"] == config["apply"]["control"]
