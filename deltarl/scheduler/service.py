@@ -375,13 +375,13 @@ class SchedulerService(DaemonCore):
             self._count_drop("stale_submit", n)
             return Error("stale_group", stale)
         try:
-            samples = self._decode(cmd, blob)
+            samples = self._decode(cmd, prompt_id, blob)
         except SampleError as e:
             problem = f"group {cmd.group_id}: {e}"
             return self._drop_failed(group, "bad_samples", n, problem, blob=cmd.samples_ref)
         return group, samples
 
-    def _decode(self, cmd: SubmitGroup, blob: bytes | None) -> SampleGroup:
+    def _decode(self, cmd: SubmitGroup, prompt_id: int, blob: bytes | None) -> SampleGroup:
         """The submitted samples, decoded once (``decode_group`` validates every value);
         SampleError if there are none, they do not decode, or are not this group's."""
         if blob is None:
@@ -391,8 +391,11 @@ class SchedulerService(DaemonCore):
                 f"{self.config.samples_grace_s:g} s)"
             )
         samples = decode_group(blob, max_bytes=self.config.max_sample_bytes)
-        if samples.group_id != cmd.group_id:
-            raise SampleError(f"the blob holds the samples of group {samples.group_id!r}")
+        if (samples.group_id, samples.prompt_id) != (cmd.group_id, prompt_id):
+            raise SampleError(
+                f"the blob holds the samples of group {samples.group_id!r} "
+                f"(prompt {samples.prompt_id})"
+            )
         if len(samples.samples) != self.config.group_size:
             raise SampleError(
                 f"expected {self.config.group_size} samples, got {len(samples.samples)}"
