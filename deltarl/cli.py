@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = ("codec", "refit")
+BENCHES = ("codec", "refit", "samples")
 DAEMONS = {
     "trainer": "run the trainer daemon (--synthetic: a simulated policy)",
     "export": "run the export agent: diff, encode and send each published version",
@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.bench import refit  # noqa: PLC0415 - heavy imports only when used
 
         return refit.main(rest)
+    if args.command == "bench" and args.name == "samples":
+        from deltarl.bench import samples  # noqa: PLC0415 - heavy imports only when used
+
+        return samples.main(rest)
     if args.command == "ctl":
         from deltarl import ctl  # noqa: PLC0415 - heavy imports only when used
 

@@ -18,6 +18,7 @@ import pytest
 
 from deltarl import ctl
 from deltarl.engine.segment import segment_path
+from deltarl.transport.blobs import samples_endpoint
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 SERVICES = {
@@ -270,6 +271,7 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
         "scheduler": {
             "control",
             "db",
+            "samples",
             "group_size",
             "groups_per_step",
             "pool_capacity",
@@ -294,21 +296,25 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
         assert table["checkpoint_dir"].startswith("/var/lib/deltarl/")  # the StateDirectory
     if daemon == "scheduler":
         assert table["db"].startswith("/var/lib/deltarl/")  # the StateDirectory
+        # Shown as what every daemon derives when it is not set.
+        assert table["samples"] == samples_endpoint(table["control"])
     if daemon == "rollout":
         assert table["rollout_store"] == config["apply"]["rollout_store"]
-        assert table["apply_control"] == config["apply"]["control"]
+        assert "apply_control" not in table  # unused: the digest is in the rollout store
         segment_path(table["rollout_store"], None)
 
 
 def test_config_example_loads_for_every_daemon() -> None:
     # The example is what operators copy: every table must be a config the daemon accepts.
-    from deltarl.daemons import config as daemon_config  # noqa: PLC0415
+    from deltarl.config import load  # noqa: PLC0415
+    from deltarl.config.refit import ApplyConfig, ExportConfig, TrainerConfig  # noqa: PLC0415
 
     path = str(SYSTEMD / "deltarl.toml.example")
-    daemon_config.load(daemon_config.TrainerConfig, "trainer", path)
-    export = daemon_config.load(daemon_config.ExportConfig, "export", path)
-    apply = daemon_config.load(daemon_config.ApplyConfig, "apply", path)
+    load(TrainerConfig, "trainer", path)
+    export = load(ExportConfig, "export", path)
+    apply = load(ApplyConfig, "apply", path)
     assert export.apply_control == apply.control
+    assert export.apply_events == apply.events  # the acknowledgements arrive as events
     assert export.link.type == apply.link.type
 
 

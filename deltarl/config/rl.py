@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from deltarl.config.base import DaemonTable
-from deltarl.config.checks import non_negative, positive
+from deltarl.config.checks import endpoints, non_negative, positive
+from deltarl.transport.blobs import DEFAULT_MAX_FRAME_BYTES, samples_endpoint
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,20 @@ class RolloutConfig(DaemonTable):
     """How long to wait for the apply agent's store to hold a first version."""
     engine: dict[str, Any] = field(default_factory=dict)
     """Knobs of ``VllmEngineConfig`` (max_model_len, kv_cache_gb, seed, ...)."""
+    scheduler_samples: str | None = None
+    """The scheduler's samples endpoint, where finished groups are put before their submit;
+    None: derived from ``scheduler`` as the scheduler derives it (``samples_endpoint``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         positive(self, "max_running_groups", "heartbeat_s", "idle_s", "store_wait_s")
+        endpoints(self, "scheduler_samples")
+        if self.scheduler_samples is None:
+            samples_endpoint(self.scheduler)  # derivable now, not a surprise at the first use
+
+    @property
+    def samples_endpoint(self) -> str:
+        return self.scheduler_samples or samples_endpoint(self.scheduler)
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,9 @@ class RLTrainerConfig(DaemonTable):
     checkpoint_dir: Path
     store_root: Path | None = None
     """Directory of the weight stores; None: /dev/shm."""
+    scheduler_samples: str | None = None
+    """The scheduler's samples endpoint, where a batch's samples are fetched by reference;
+    None: derived from ``scheduler`` as the scheduler derives it (``samples_endpoint``)."""
     checkpoint_every: int = 10
     """Steps between checkpoints (and at ``max_steps`` and on a clean shutdown)."""
     keep_checkpoints: int = 3
@@ -95,6 +109,13 @@ class RLTrainerConfig(DaemonTable):
                 raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
         positive(self, "lr", "clip_eps", "wait_s", "request_timeout_s")
         non_negative(self, "weight_decay", "kl_coef", "max_grad_norm", "max_steps", "threads")
+        endpoints(self, "scheduler_samples")
+        if self.scheduler_samples is None:
+            samples_endpoint(self.scheduler)  # derivable now, not a surprise at the first use
+
+    @property
+    def samples_endpoint(self) -> str:
+        return self.scheduler_samples or samples_endpoint(self.scheduler)
 
 
 LagAction = Literal["throttle", "drop", "sync"]
@@ -137,6 +158,14 @@ class SchedulerConfig(DaemonTable):
     """The scheduler's control endpoint: rollout daemons, the trainer and ``ctl`` talk to it."""
     db: Path
     """The sqlite store (deltarl.scheduler.store): cursor, groups, counters, run metadata."""
+    samples: str | None = None
+    """The samples endpoint (deltarl.transport.blobs), where rollout daemons put and the
+    trainer gets encoded groups; None: derived from ``control`` (``samples_endpoint``)."""
+    samples_grace_s: float = 600.0
+    """A blob put on the samples endpoint that no submit has referred to for this long is
+    removed (its submit never came, or was refused)."""
+    max_sample_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """The largest encoded group the samples endpoint takes; bigger is refused (too_large)."""
     task: str = "default"
     """The task by name (deltarl.rl.task.TASKS): prompts and reward."""
     policy: str = "fifo"
@@ -184,6 +213,10 @@ class SchedulerConfig(DaemonTable):
         super().__post_init__()
         positive(self, "group_size", "groups_per_step", "pool_capacity", "reward_workers")
         positive(self, "heartbeat_timeout_s", "lease_s", "reward_timeout_s", "tick_s", "wait_s")
+        positive(self, "samples_grace_s", "max_sample_bytes")
+        endpoints(self, "samples")
+        if self.samples is None:
+            samples_endpoint(self.control)  # derivable now, not a surprise at bind time
         non_negative(self, "max_policy_lag_steps", "reward_retries", "max_reward_failures")
         non_negative(self, "dataset_size", "not_held_grace_s")
         if self.pool_capacity < self.groups_per_step:
@@ -191,6 +224,11 @@ class SchedulerConfig(DaemonTable):
                 f"pool_capacity ({self.pool_capacity}) must hold at least groups_per_step "
                 f"({self.groups_per_step}), or no step could ever be filled"
             )
+
+    @property
+    def samples_endpoint(self) -> str:
+        """Where the samples socket is bound: ``samples``, or the one derived from ``control``."""
+        return self.samples or samples_endpoint(self.control)
 
     @property
     def sampling_params(self) -> Sampling:

@@ -2,7 +2,8 @@
 
 The process around ``deltarl.rollout.service.RolloutService`` (the loop, its invariants and
 its drain are described there): the scheduler's control client, the daemon runtime
-(deltarl/engine/daemon.py), and ``[daemons.NAME]`` of the configuration. The weights come
+(deltarl/engine/daemon.py), the scheduler's samples socket (finished groups are put there,
+then submitted by reference), and ``[daemons.NAME]`` of the configuration. The weights come
 from the apply agent's store, with the digest each version was verified against.
 """
 
@@ -13,13 +14,16 @@ from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import REPLIES
 from deltarl.rollout.service import RolloutService
+from deltarl.transport.blobs import BlobClient
 from deltarl.transport.control import ControlClient
 
 
 async def _build(cfg: RolloutConfig, context: DaemonContext) -> RolloutService:
     scheduler = ControlClient(cfg.scheduler, replies=REPLIES)
+    samples = BlobClient(cfg.samples_endpoint)
     context.on_close(scheduler.close)
-    return RolloutService(cfg, scheduler.request, context)
+    context.on_close(samples.close)
+    return RolloutService(cfg, scheduler.request, context, samples.put)
 
 
 def main(argv: list[str]) -> int:

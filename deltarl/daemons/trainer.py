@@ -14,13 +14,16 @@ from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import REPLIES
 from deltarl.trainer.service import TrainerService
+from deltarl.transport.blobs import BlobClient
 from deltarl.transport.control import ControlClient
 
 
 async def _build(cfg: RLTrainerConfig, context: DaemonContext) -> TrainerService:
     scheduler = ControlClient(cfg.scheduler, replies=REPLIES)
+    samples = BlobClient(cfg.samples_endpoint)
     context.on_close(scheduler.close)
-    return TrainerService(cfg, scheduler.request)
+    context.on_close(samples.close)
+    return TrainerService(cfg, scheduler.request, samples.get)
 
 
 def main(argv: list[str]) -> int:

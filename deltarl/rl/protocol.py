@@ -2,8 +2,10 @@
 
 The scheduler is the only server here; rollout daemons and the trainer are its clients, over
 the same ZeroMQ control sockets and tagged orjson messages as every other command
-(``deltarl.transport.messages``). Samples travel inside these messages: a group of a tiny
-model's completions is a few kilobytes, far below ``MAX_MESSAGE_BYTES``.
+(``deltarl.transport.messages``). Samples do not travel inside these messages: a group of 16
+completions of 8k tokens is megabytes, over ``MAX_MESSAGE_BYTES``. They take the scheduler's
+samples socket (``deltarl.transport.blobs``, the ``samples`` endpoint) as one encoded group
+(``deltarl.rl.samples``), and the messages name the blob by its digest (``samples_ref``).
 
 A group's life in the scheduler (kept in its sqlite store, so a crash of any daemon loses
 nothing and trains nothing twice):
@@ -22,11 +24,13 @@ nothing and trains nothing twice):
         v
     TRAINED (final)
 
-Sample dicts (``SubmitGroup.samples`` and ``Batch.groups[i]["samples"]``) carry:
-``prompt_token_ids: list[int]``, ``token_ids: list[int]`` (the completion),
-``logprobs: list[float]`` (the engine's log-probability of each sampled token),
-``token_versions: list[int]`` (the weight version that produced each token),
-``text: str``, ``finish_reason: str``; in a Batch also ``reward: float``.
+Samples (``deltarl.rl.samples.Sample``, a blob of one ``Group`` named by
+``SubmitGroup.samples_ref`` and ``Batch.groups[i]["samples_ref"]``) carry:
+``prompt_token_ids`` (int32), ``token_ids`` (int32, the completion), ``logprobs`` (float32, the
+engine's log-probability of each sampled token: finite, <= 0), ``token_versions`` (int32, the
+weight version that produced each token: >= 0), one of each per token, ``text: str`` and
+``finish_reason: str``. Their rewards travel beside the reference: ``Batch.groups[i]["rewards"]``,
+one float per sample, in the blob's order.
 """
 
 from __future__ import annotations
@@ -85,9 +89,11 @@ class GetWork(Command):
 
 @dataclass(frozen=True)
 class SubmitGroup(Command):
-    """The completions of one issued group. Answered ``Ok`` (pooled; also for a duplicate) or
-    ``Error`` (not accepted: ``stale_group``, the lease was lost and the group requeued;
-    ``bad_samples``; ``reward_timeout`` or ``reward_error``, it could not be scored; or
+    """The completions of one issued group, put first on the scheduler's samples endpoint:
+    ``samples_ref`` is the digest it answered. Answered ``Ok`` (pooled; also for a duplicate)
+    or ``Error`` (not accepted: ``stale_group``, the lease was lost and the group requeued;
+    ``bad_samples``, the blob is missing, does not decode, or is not this group's
+    ``group_size`` samples; ``reward_timeout`` or ``reward_error``, it could not be scored; or
     ``unknown_group``). A retried submit of a refused attempt gets the same Error again and
     is counted once."""
 
@@ -95,7 +101,8 @@ class SubmitGroup(Command):
     instance: str
     session: str
     group_id: str
-    samples: list[Any]
+    samples_ref: str
+    """The xxh3-128 hex digest of the encoded group (``deltarl.transport.blobs.blob_digest``)."""
 
 
 # -- trainer -> scheduler ---------------------------------------------------------------------
@@ -159,8 +166,10 @@ class Work(Reply):
 
 @dataclass(frozen=True)
 class Batch(Reply):
-    """The groups of step ``step`` (each: ``group_id``, ``prompt_id``, ``samples`` with
-    ``reward``, and ``lag``). Empty with ``wait_s``: not enough pooled groups yet."""
+    """The groups of step ``step`` (each: ``group_id``, ``prompt_id``, ``prompt``,
+    ``samples_ref``: the digest of its samples on the scheduler's samples endpoint,
+    ``rewards``: one per sample, and ``lag``). Empty with ``wait_s``: not enough pooled groups
+    yet."""
 
     TAG: ClassVar[str] = "rl.batch"
     step: int

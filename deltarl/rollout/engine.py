@@ -81,7 +81,8 @@ class VllmEngineConfig:
 
 @dataclass
 class FinishedGroup:
-    """The ``n`` completions of one prompt; ``samples`` as described in deltarl.rl.protocol."""
+    """The ``n`` completions of one prompt: dicts of the fields of ``deltarl.rl.samples.Sample``
+    (as plain lists), which the rollout service encodes into one ``Group``."""
 
     group_id: str
     samples: list[dict[str, Any]]

@@ -9,7 +9,8 @@ call at a time (so a weight update can only happen between engine steps, never d
          and check the digest of what the engine loaded against the manifest's model digest:
          the engine, not just the buffer, is proven bit-exact
     room for more groups (not paused, not draining, no ``sync_to`` pending)?  -> GetWork
-    groups in flight?  -> one engine step; each finished group -> SubmitGroup
+    groups in flight?  -> one engine step; each finished group -> encoded (deltarl.rl.samples),
+                          put on the scheduler's samples endpoint, then SubmitGroup by digest
     nothing to do -> wait a little
 
 A heartbeat task reports health (version, groups in flight, queue depth, tokens/s, the groups
@@ -39,6 +40,8 @@ from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 from deltarl.engine.weight_store import WeightStore
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
+from deltarl.rl.samples import Group, Sample, SampleError, encode_group
+from deltarl.transport.blobs import BlobError
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
 if TYPE_CHECKING:
@@ -54,6 +57,10 @@ Ask = Callable[[Command, float], Awaitable[Reply]]
 """A request to the scheduler with a timeout in seconds: its reply, or TimeoutError or
 ConnectionError (ControlClient.request is one)."""
 
+PutBlob = Callable[[bytes, float], Awaitable[str]]
+"""A put on the scheduler's samples endpoint with a timeout in seconds: the blob's digest, or
+TimeoutError or ConnectionError (not answered), or BlobError (refused); BlobClient.put is one."""
+
 
 class RolloutService(DaemonCore):
     """The rollout loop and its state; the process module adds the sockets."""
@@ -66,11 +73,13 @@ class RolloutService(DaemonCore):
         config: RolloutConfig,
         scheduler: Ask,
         context: DaemonContext,
+        put_samples: PutBlob | None = None,
     ) -> None:
         self.config = config
         self.context = context
         self.session = secrets.token_hex(8)
         self.scheduler = scheduler
+        self.put_samples = put_samples
         self.gate = PauseGate()
         self.draining = False
         self._emptied = asyncio.Event()  # set whenever no group is in flight or submitting
@@ -78,6 +87,7 @@ class RolloutService(DaemonCore):
         self.store: WeightStore | None = None
         self.engine_version: int | None = None
         self.in_flight: dict[str, float] = {}  # group id -> when it was added
+        self.prompt_ids: dict[str, int] = {}  # group id -> its prompt, until submitted
         self.submitting: set[str] = set()  # finished, submit not yet answered
         self.queued = 0  # requests in the engine not yet producing tokens (after the last step)
         self.sync_to: int | None = None
@@ -192,6 +202,7 @@ class RolloutService(DaemonCore):
                 logger.exception("group %s not generated", group_id)
                 continue
             self.in_flight[group_id] = time.monotonic()
+            self.prompt_ids[group_id] = int(g["prompt_id"])
         if not reply.groups and reply.wait_s > 0 and not self.in_flight:
             await asyncio.sleep(min(reply.wait_s, 1.0))
 
@@ -200,21 +211,55 @@ class RolloutService(DaemonCore):
         # is on its way must not look abandoned and be requeued.
         self.submitting.add(group_id)
         self.in_flight.pop(group_id, None)
+        prompt_id = self.prompt_ids.pop(group_id, None)
         try:
-            await self._submit_until_answered(group_id, samples)
+            data = self._encode(group_id, prompt_id, samples)
+            if data is not None:
+                await self._submit_until_answered(group_id, data)
         finally:
             self.submitting.discard(group_id)
             if not self.in_flight and not self.submitting:
                 self._emptied.set()  # a drain waits for this
 
-    async def _submit_until_answered(self, group_id: str, samples: list[dict[str, Any]]) -> None:
+    def _encode(
+        self, group_id: str, prompt_id: int | None, samples: list[dict[str, Any]]
+    ) -> bytes | None:
+        """The engine's samples as one encoded group; None (counted, logged) if they cannot
+        be: the group is then not held any more, and the scheduler requeues it."""
+        if prompt_id is None:
+            self.failed_groups += 1
+            logger.error("group %s did not come from a Work reply: not submitted", group_id)
+            return None
+        try:
+            return encode_group(Group(group_id, prompt_id, tuple(Sample(**s) for s in samples)))
+        except (SampleError, TypeError) as e:
+            self.failed_groups += 1
+            logger.error("group %s cannot be encoded, not submitted: %s", group_id, e)  # noqa: TRY400
+            return None
+
+    async def _submit_until_answered(self, group_id: str, data: bytes) -> None:
         # Retried until the scheduler answers: a finished group is never silently lost. If it
         # refuses (the lease expired and the prompt was requeued), the group is dropped here
-        # and the scheduler has counted the requeue.
+        # and the scheduler has counted the requeue. The put goes again with every try (the
+        # same bytes, the same digest: harmless), so a blob the scheduler swept while it was
+        # unreachable is there again when the submit arrives.
         while True:
-            reply = await self._ask(
-                SubmitGroup(self.config.instance, self.session, group_id, samples)
-            )
+            try:
+                digest = await self._put(data)
+            except BlobError as e:
+                self.refused_groups += 1
+                logger.warning(
+                    "group %s (%d bytes) refused by the samples endpoint: %s",
+                    group_id,
+                    len(data),
+                    e,
+                )
+                return
+            reply = None
+            if digest is not None:
+                reply = await self._ask(
+                    SubmitGroup(self.config.instance, self.session, group_id, digest)
+                )
             if isinstance(reply, Ok):
                 self.submitted_groups += 1
                 return
@@ -223,6 +268,17 @@ class RolloutService(DaemonCore):
                 logger.warning("group %s refused by the scheduler: %s", group_id, reply.message)
                 return
             await asyncio.sleep(0.5)
+
+    async def _put(self, data: bytes) -> str | None:
+        """The digest of ``data`` put on the samples endpoint; None: not answered (try again).
+        BlobError: refused (too large), which trying again cannot change."""
+        if self.put_samples is None:
+            raise RuntimeError("rollout: no samples endpoint to put groups on")
+        try:
+            return await self.put_samples(data, REQUEST_TIMEOUT_S)
+        except (TimeoutError, ConnectionError) as e:
+            logger.info("samples endpoint of the scheduler not answering: %s", e)
+            return None
 
     async def _ask(self, command: Any) -> Any:  # noqa: ANN401 - a Command, and its Reply
         try:

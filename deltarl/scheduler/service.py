@@ -11,6 +11,12 @@ a group being scored is never taken back); for one that does not, only the lease
 back. Leases are wall-clock and durable, so they also requeue the work of an instance that
 died while the scheduler was down.
 
+Samples arrive on their own socket (``deltarl.transport.blobs``, bound by the daemon on the
+``samples`` endpoint, stored in the same sqlite store): ``SubmitGroup.samples_ref`` names the
+blob. It is decoded once here (``deltarl.rl.samples.decode_group``: that is the validation),
+scored from its texts, and pooled as a reference and rewards; a ``Batch`` ships the references
+and the trainer gets the same bytes from the samples socket.
+
 Every state change goes through ``SchedulerStore`` in one transaction before the reply is
 sent, so whatever the reply was, the store already holds it: a client that lost the reply and
 asks again gets the same answer (a duplicate submit is ``Ok``; a retried submit of a refused
@@ -38,8 +44,9 @@ shipped. ``on_lag_exceeded`` says what the scheduler does *before* that, at ``Ge
 Failed groups: a group is scored whole (GRPO normalises within the group). A sample whose
 reward still fails after the retries drops the whole group (``dropped_groups.reward_timeout``
 or ``.reward_error``, its samples in ``dropped_samples.*``) and queues the prompt again; so
-does a group with a malformed sample (``bad_samples``: ``check_samples``, before scoring, so
-nothing the trainer cannot build a batch from is ever pooled). Either way the submit is
+does a group whose samples are malformed (``bad_samples``: its blob is missing, does not
+decode, names another group or holds other than ``group_size`` samples; checked before
+scoring, so nothing the trainer cannot build a batch from is ever pooled). Either way the submit is
 answered with an Error of that reason. After ``max_reward_failures`` failed groups the prompt
 is abandoned (``abandoned_prompts``), so a prompt that can never be scored or sampled cleanly
 cannot stall the run, and is never lost silently either.
@@ -50,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -72,6 +78,8 @@ from deltarl.rl.protocol import (
     TakeBatch,
     Work,
 )
+from deltarl.rl.samples import Group as SampleGroup
+from deltarl.rl.samples import SampleError, decode_group, sample_count
 from deltarl.rl.task import Task, make_task, mix64
 from deltarl.scheduler.policy import (
     Candidates,
@@ -88,68 +96,6 @@ from deltarl.transport.messages import Command, Error, Ok, Reply
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 60.0
-
-
-def _ints(value: object, *, nonempty: bool = False, nonnegative: bool = False) -> bool:
-    return (
-        isinstance(value, list)
-        and (bool(value) or not nonempty)
-        and all(
-            isinstance(v, int) and not isinstance(v, bool) and (v >= 0 or not nonnegative)
-            for v in value
-        )
-    )
-
-
-def check_samples(samples: object, group_size: int) -> str | None:
-    """What is wrong with a submitted group's samples, or None.
-
-    Everything the trainer's batch builder (``deltarl.trainer.grpo.build_batch``) relies on is
-    checked here, before the group is pooled: a malformed group that got shipped would make the
-    trainer fail the same step on every replay. Each sample: ``text`` a string,
-    ``prompt_token_ids`` a non-empty list of token ids, ``token_ids`` a list of token ids,
-    ``logprobs`` finite numbers and ``token_versions`` integers, one of each per token.
-    """
-    if not isinstance(samples, list) or len(samples) != group_size:
-        got = len(samples) if isinstance(samples, list) else type(samples).__name__
-        return f"expected {group_size} samples, got {got}"
-    for i, s in enumerate(samples):
-        problem = _sample_problem(s)
-        if problem:
-            return f"sample {i}: {problem}"
-    return None
-
-
-def _sample_problem(s: object) -> str | None:
-    if not isinstance(s, dict):
-        return "not an object"
-    tokens, logprobs, versions = s.get("token_ids"), s.get("logprobs"), s.get("token_versions")
-    finite = isinstance(logprobs, list) and all(
-        isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-        for x in logprobs
-    )
-    problems = (
-        (not isinstance(s.get("text"), str), "no text"),
-        (
-            not _ints(s.get("prompt_token_ids"), nonempty=True, nonnegative=True),
-            "prompt_token_ids must be a non-empty list of token ids",
-        ),
-        (not _ints(tokens, nonnegative=True), "token_ids must be a list of token ids"),
-        (not finite, "logprobs must be a list of finite numbers"),
-        (not _ints(versions), "token_versions must be a list of integers"),
-    )
-    for bad, why in problems:
-        if bad:
-            return why
-    assert isinstance(tokens, list)  # checked above
-    assert isinstance(logprobs, list)
-    assert isinstance(versions, list)
-    if not len(tokens) == len(logprobs) == len(versions):
-        return (
-            f"{len(tokens)} token_ids, {len(logprobs)} logprobs and {len(versions)} "
-            f"token_versions; one of each per token is required"
-        )
-    return None
 
 
 @dataclass
@@ -262,9 +208,13 @@ class SchedulerService(DaemonCore):
             logger.warning("%d leases expired: prompts %s requeued", len(expired), expired[:8])
 
     async def run(self) -> None:
-        """The daemon's background work: check heartbeats and leases every ``tick_s``."""
+        """The daemon's background work: check heartbeats and leases every ``tick_s``, and
+        remove the blobs no submit referred to within ``samples_grace_s``."""
         while True:
             self.expire()
+            swept = self.store.sweep_blobs(self.config.samples_grace_s)
+            if swept:
+                logger.info("%d unreferenced sample blobs removed", swept)
             await asyncio.sleep(self.config.tick_s)
 
     # -- rollout instances -----------------------------------------------------------------
@@ -379,20 +329,27 @@ class SchedulerService(DaemonCore):
         if running is not None:  # the same group again while it is being scored
             self.store.bump("submit.duplicate")
             return await asyncio.shield(running)
-        answer = self._answer_without_scoring(cmd)
-        if not isinstance(answer, Group):
+        blob = self.store.get_blob(cmd.samples_ref)
+        answer = self._answer_without_scoring(cmd, blob)
+        if not isinstance(answer, tuple):
             return answer
         # Scoring outlives a cancelled request (the server's timeout): its result is recorded
         # either way, and a retried submit finds it pooled (or its recorded refusal).
-        future = asyncio.ensure_future(self._score_and_pool(answer, cmd.samples))
+        group, samples = answer
+        assert blob is not None  # decoded from it
+        future = asyncio.ensure_future(
+            self._score_and_pool(group, samples, (cmd.samples_ref, blob))
+        )
         self._scoring[cmd.group_id] = future
         future.add_done_callback(lambda _: self._scoring.pop(cmd.group_id, None))
         return await asyncio.shield(future)
 
-    def _answer_without_scoring(self, cmd: SubmitGroup) -> Reply | Group:
+    def _answer_without_scoring(
+        self, cmd: SubmitGroup, blob: bytes | None
+    ) -> Reply | tuple[Group, SampleGroup]:
         """The reply to a submit that is not scored (unknown, duplicate, stale, bad samples),
-        or the issued group to score."""
-        n = len(cmd.samples) if isinstance(cmd.samples, list) else 0
+        or the issued group to score and its decoded samples."""
+        n = 0 if blob is None else sample_count(blob)
         ids = parse_group_id(cmd.group_id)
         group = None if ids is None else self.store.group(ids[0])
         if ids is None or group is None or ids[1] > group.attempt:
@@ -417,10 +374,33 @@ class SchedulerService(DaemonCore):
             # The live attempt, held by someone else: not recorded, the holder may submit.
             self._count_drop("stale_submit", n)
             return Error("stale_group", stale)
-        problem = check_samples(cmd.samples, self.config.group_size)
-        if problem:
-            return self._drop_failed(group, "bad_samples", n, f"group {cmd.group_id}: {problem}")
-        return group
+        try:
+            samples = self._decode(cmd, prompt_id, blob)
+        except SampleError as e:
+            problem = f"group {cmd.group_id}: {e}"
+            return self._drop_failed(group, "bad_samples", n, problem, blob=cmd.samples_ref)
+        return group, samples
+
+    def _decode(self, cmd: SubmitGroup, prompt_id: int, blob: bytes | None) -> SampleGroup:
+        """The submitted samples, decoded once (``decode_group`` validates every value);
+        SampleError if there are none, they do not decode, or are not this group's."""
+        if blob is None:
+            raise SampleError(
+                f"no samples blob {cmd.samples_ref[:64]!r} (put it on the scheduler's samples "
+                f"endpoint {self.config.samples_endpoint} first; unreferenced blobs are kept "
+                f"{self.config.samples_grace_s:g} s)"
+            )
+        samples = decode_group(blob, max_bytes=self.config.max_sample_bytes)
+        if (samples.group_id, samples.prompt_id) != (cmd.group_id, prompt_id):
+            raise SampleError(
+                f"the blob holds the samples of group {samples.group_id!r} "
+                f"(prompt {samples.prompt_id})"
+            )
+        if len(samples.samples) != self.config.group_size:
+            raise SampleError(
+                f"expected {self.config.group_size} samples, got {len(samples.samples)}"
+            )
+        return samples
 
     def _refuse_stale(self, group: Group, attempt: int, n: int, message: str) -> Error:
         """Refuse a submission of a past attempt: the recorded answer if it was refused (or
@@ -431,15 +411,25 @@ class SchedulerService(DaemonCore):
             self.store.bump("submit.duplicate")
         return Error(code, text)
 
-    def _drop_failed(self, group: Group, reason: str, n: int, problem: str) -> Reply:
+    def _drop_failed(
+        self, group: Group, reason: str, n: int, problem: str, blob: str | None = None
+    ) -> Reply:
         """Drop a submitted group that failed (``bad_samples``, ``reward_*``): counted, its
-        prompt queued again or, at ``max_reward_failures``, abandoned; the Error is recorded
-        as the answer to any retry of this submission."""
+        prompt queued again or, at ``max_reward_failures``, abandoned, its ``blob`` removed;
+        the Error is recorded as the answer to any retry of this submission."""
         abandon = self.config.max_reward_failures
         fate = "abandoned" if abandon and group.reward_failures + 1 >= abandon else "queued again"
         message = f"dropped: {reason}: {problem}; prompt {group.prompt_id} {fate}"
-        state = self.store.drop(group.prompt_id, group.attempt, reason, n, failure=True,
-                                max_failures=abandon, refusal=(reason, message))  # fmt: skip
+        state = self.store.drop(
+            group.prompt_id,
+            group.attempt,
+            reason,
+            n,
+            failure=True,
+            max_failures=abandon,
+            refusal=(reason, message),
+            blob=blob,
+        )
         if state is None:  # requeued meanwhile (while it was being scored)
             stale = f"group {group.group_id} was requeued while it was scored; not accepted"
             return self._refuse_stale(group, group.attempt, n, stale)
@@ -449,19 +439,21 @@ class SchedulerService(DaemonCore):
         self.store.bump(f"dropped_groups.{reason}")
         self.store.bump(f"dropped_samples.{reason}", samples)
 
-    async def _score_and_pool(self, group: Group, samples: list[dict[str, Any]]) -> Reply:
+    async def _score_and_pool(
+        self, group: Group, samples: SampleGroup, blob: tuple[str, bytes]
+    ) -> Reply:
         prompt = self.task.prompt(group.prompt_id)
-        n = len(samples)
+        n = len(samples.samples)
         try:
-            rewards = await self.scorer.score_group(prompt, [s["text"] for s in samples])
+            rewards = await self.scorer.score_group(prompt, [s.text for s in samples.samples])
         except RewardFailedError as e:
-            return self._drop_failed(group, e.reason, n, str(e))
-        scored = [{**s, "reward": r} for s, r in zip(samples, rewards, strict=True)]
-        versions = [v for s in samples for v in s["token_versions"]]
-        oldest = min(versions) if versions else group.weight_version
+            return self._drop_failed(group, e.reason, n, str(e), blob=blob[0])
+        oldest = samples.oldest_version()
+        if oldest is None:
+            oldest = group.weight_version
         if oldest is None:
             oldest = self.trainer_version
-        if not self.store.pool(group.prompt_id, group.attempt, scored, oldest):
+        if not self.store.pool(group.prompt_id, group.attempt, blob, rewards, oldest):
             # Requeued while it was being scored (its lease ran out): the new attempt will be
             # pooled instead, so these samples are counted as dropped, not pooled twice.
             stale = f"group {group.group_id} was requeued while it was scored; not accepted"
@@ -503,7 +495,8 @@ class SchedulerService(DaemonCore):
             "group_id": g.group_id,
             "prompt_id": g.prompt_id,
             "prompt": self.task.prompt(g.prompt_id),
-            "samples": g.samples or [],
+            "samples_ref": g.samples_ref,
+            "rewards": g.rewards or [],
             "lag": g.lag,
         }
 
@@ -551,6 +544,7 @@ class SchedulerService(DaemonCore):
             "on_lag_exceeded": self.config.on_lag_exceeded,
             "max_policy_lag_steps": self.config.max_policy_lag_steps,
             "throughput_samples_per_s": round(self.throughput(), 3),
+            "samples": {"endpoint": self.config.samples_endpoint, **self.store.blob_stats()},
             "instances": {
                 i.name: {
                     "session": i.session,

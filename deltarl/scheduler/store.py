@@ -22,6 +22,10 @@ pool. A refused submission of an attempt (dropped while it was scored, or arrivi
 requeue) is recorded in ``refusals``: a retry of it gets the same answer and is counted once.
 A shipped row keeps its step, and only ``checkpoint`` moves it on, so a trainer that
 restarts from its last checkpoint asks for the same steps again and gets the same groups.
+
+A pooled row holds its samples by reference: ``samples_ref``, the digest of an encoded group
+in the ``blobs`` table (``blob_table``: written when the samples socket received it, released
+with the row's drop or checkpoint in the same transaction), and ``rewards``, one per sample.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ from typing import Any
 
 import orjson
 
-from deltarl.engine.sqlite_store import SqliteStore
+from deltarl.scheduler.blob_table import BLOB_SCHEMA, BlobTable
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: samples are blobs (``blob_table``) referenced by ``samples_ref``, no longer JSON inline."""
 
 
 class PromptState(StrEnum):
@@ -68,7 +73,8 @@ _SCHEMA = (
         weight_version  INTEGER,  -- the instance's version when issued
         issued_at       REAL,
         pooled_at       REAL,
-        samples         TEXT,     -- pooled and later: the samples with their rewards (JSON)
+        samples_ref     TEXT,     -- pooled and later: the digest of its blob (blob_table)
+        rewards         TEXT,     -- pooled and later: one reward per sample (JSON floats)
         min_version     INTEGER,  -- pooled and later: the oldest token version of the group
         step            INTEGER,  -- shipped and later
         lag             INTEGER,
@@ -108,6 +114,7 @@ _SCHEMA = (
         PRIMARY KEY (prompt_id, attempt)
     )
     """,
+    *BLOB_SCHEMA,
 )
 
 
@@ -141,7 +148,10 @@ class Group:
     weight_version: int | None
     issued_at: float | None
     pooled_at: float | None
-    samples: list[dict[str, Any]] | None
+    samples_ref: str | None
+    """The digest of its encoded samples (``deltarl.rl.samples``) in the blobs table."""
+    rewards: list[float] | None
+    """One reward per sample, in the blob's order."""
     min_version: int | None
     step: int | None
     lag: int | None
@@ -151,17 +161,22 @@ class Group:
     def group_id(self) -> str:
         return group_id(self.prompt_id, self.attempt)
 
+    @property
+    def samples(self) -> int:
+        """How many samples it holds (0 before it is pooled)."""
+        return len(self.rewards or [])
+
 
 _COLUMNS = (
     "prompt_id, state, attempt, reward_failures, instance, session, lease_deadline,"
-    " weight_version, issued_at, pooled_at, samples, min_version, step, lag, note"
+    " weight_version, issued_at, pooled_at, samples_ref, rewards, min_version, step, lag, note"
 )
 
 
 def _group(row: tuple) -> Group:
     values = list(row)
     values[1] = PromptState(values[1])
-    values[10] = None if values[10] is None else orjson.loads(values[10])
+    values[11] = None if values[11] is None else orjson.loads(values[11])
     return Group(*values)
 
 
@@ -182,7 +197,7 @@ def _stats(
     return fmean(values), pstdev(values), min(values), max(values)
 
 
-class SchedulerStore(SqliteStore):
+class SchedulerStore(BlobTable):
     """The scheduler's tables in one sqlite file; one writer process, any number of readers.
 
     Every method is one snapshot or one transaction, safe from several threads (one connection
@@ -215,15 +230,21 @@ class SchedulerStore(SqliteStore):
         ).fetchone()
         return None if row is None else _group(row)
 
-    @staticmethod
-    def _requeue(conn: sqlite3.Connection, prompt_id: int, note: str) -> None:
-        """Back to the queue as a new attempt: the old group id stops being accepted."""
+    @classmethod
+    def _requeue(cls, conn: sqlite3.Connection, prompt_id: int, note: str) -> None:
+        """Back to the queue as a new attempt: the old group id stops being accepted, and the
+        old attempt's samples are released."""
+        ref = conn.execute(
+            "SELECT samples_ref FROM prompts WHERE prompt_id = ?", (prompt_id,)
+        ).fetchone()
         conn.execute(
             "UPDATE prompts SET state = 'queued', attempt = attempt + 1, instance = NULL,"
             " session = NULL, lease_deadline = NULL, weight_version = NULL, issued_at = NULL,"
-            " pooled_at = NULL, samples = NULL, min_version = NULL, note = ? WHERE prompt_id = ?",
+            " pooled_at = NULL, samples_ref = NULL, rewards = NULL, min_version = NULL,"
+            " note = ? WHERE prompt_id = ?",
             (note, prompt_id),
         )
+        cls._release(conn, [ref[0] if ref else None])
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -408,19 +429,37 @@ class SchedulerStore(SqliteStore):
             return [p for (p,) in rows]
 
     def pool(
-        self, prompt_id: int, attempt: int, samples: list[dict[str, Any]], min_version: int | None
+        self,
+        prompt_id: int,
+        attempt: int,
+        blob: tuple[str, bytes],
+        rewards: Sequence[float],
+        min_version: int | None,
     ) -> bool:
-        """Issued -> pooled, with the scored samples. False if this attempt is not issued now
-        (requeued meanwhile): nothing is written, and the caller counts the drop."""
+        """Issued -> pooled, with its samples' blob (digest, bytes: kept again if it was swept
+        meanwhile) and their rewards. False if this attempt is not issued now (requeued
+        meanwhile): nothing is written, and the caller counts the drop."""
+        digest, data = blob
         with self._lock, self._write() as conn:
             updated = conn.execute(
-                "UPDATE prompts SET state = 'pooled', pooled_at = ?, samples = ?, min_version = ?,"
-                " lease_deadline = NULL WHERE prompt_id = ? AND attempt = ? AND state = 'issued'",
-                (self.clock(), orjson.dumps(samples), min_version, prompt_id, attempt),
+                "UPDATE prompts SET state = 'pooled', pooled_at = ?, samples_ref = ?,"
+                " rewards = ?, min_version = ?, lease_deadline = NULL"
+                " WHERE prompt_id = ? AND attempt = ? AND state = 'issued'",
+                (
+                    self.clock(),
+                    digest,
+                    orjson.dumps(list(rewards)),
+                    min_version,
+                    prompt_id,
+                    attempt,
+                ),
             ).rowcount
             if updated:
+                kept = conn.execute("SELECT 1 FROM blobs WHERE digest = ?", (digest,)).fetchone()
+                if kept is None:
+                    self._put(conn, digest, data)
                 self._bump(conn, "pooled_groups")
-                self._bump(conn, "pooled_samples", len(samples))
+                self._bump(conn, "pooled_samples", len(rewards))
             return bool(updated)
 
     def drop(
@@ -433,13 +472,15 @@ class SchedulerStore(SqliteStore):
         failure: bool = False,
         max_failures: int = 0,
         refusal: tuple[str, str] | None = None,
+        blob: str | None = None,
     ) -> PromptState | None:
         """Drop this attempt's group (counted ``dropped_groups.<reason>`` and
         ``dropped_samples.<reason>``); the prompt goes back to the queue, or, if this was a
         ``failure`` (reward or bad samples) and the prompt's ``max_failures``-th (0: never), is
         abandoned (counted ``abandoned_prompts``). ``refusal`` (code, message): the answer to
-        the submission, recorded for its retries (``refusal``). None if the attempt is not live
-        any more: nothing is written."""
+        the submission, recorded for its retries (``refusal``). ``blob``: the refused
+        submission's samples, removed with the drop. None if the attempt is not live any more:
+        nothing is written."""
         with self._lock, self._write() as conn:
             group = self._get(conn, prompt_id)
             if (
@@ -458,6 +499,7 @@ class SchedulerStore(SqliteStore):
                     "INSERT OR IGNORE INTO refusals VALUES (?, ?, ?, ?)",
                     (prompt_id, attempt, *refusal),
                 )
+            self._release(conn, [blob])
             return state
 
     def refusal(self, prompt_id: int, attempt: int) -> tuple[str, str] | None:
@@ -554,8 +596,7 @@ class SchedulerStore(SqliteStore):
                 lag = trainer_version - (g.min_version if g.min_version is not None else 0)
                 if lag > max_lag:
                     stale.append(g)
-                    n = len(g.samples or [])
-                    self._drop(conn, g, "lag_exceeded", n, failure=False, max_failures=0)
+                    self._drop(conn, g, "lag_exceeded", g.samples, failure=False, max_failures=0)
                 else:
                     fresh.append((g, max(lag, 0)))
             if len(fresh) < groups:
@@ -566,7 +607,7 @@ class SchedulerStore(SqliteStore):
                     "UPDATE prompts SET state = 'shipped', step = ?, lag = ? WHERE prompt_id = ?",
                     (step, lag, g.prompt_id),
                 )
-            rewards = [float(s["reward"]) for g, _ in taken for s in g.samples or []]
+            rewards = [float(r) for g, _ in taken for r in g.rewards or []]
             lags = [lag for _, lag in taken]
             gen = [g.pooled_at - g.issued_at for g, _ in taken if g.pooled_at and g.issued_at]
             queue = [now - g.pooled_at for g, _ in taken if g.pooled_at]
@@ -611,11 +652,15 @@ class SchedulerStore(SqliteStore):
     def checkpoint(self, step: int) -> int:
         """Every group shipped to a step <= ``step`` is trained for good; returns how many."""
         with self._lock, self._write() as conn:
+            refs = conn.execute(
+                "SELECT samples_ref FROM prompts WHERE state = 'shipped' AND step <= ?", (step,)
+            ).fetchall()
             n = conn.execute(
-                "UPDATE prompts SET state = 'trained', samples = NULL"
+                "UPDATE prompts SET state = 'trained', samples_ref = NULL, rewards = NULL"
                 " WHERE state = 'shipped' AND step <= ?",
                 (step,),
             ).rowcount
+            self._release(conn, [r[0] for r in refs])
             conn.execute("UPDATE steps SET checkpointed = 1 WHERE step <= ?", (step,))
             current = conn.execute("SELECT value FROM meta WHERE key = 'checkpointed'").fetchone()
             if current is None or int(current[0]) < step:

@@ -1,8 +1,8 @@
 """GRPO on token level: group-normalised advantages, clipped importance ratios, optional KL.
 
-One optimizer step trains on the groups the scheduler shipped for it (``Batch.groups``, each a
-prompt's ``n`` completions with their rewards; the sample fields are listed in
-``deltarl.rl.protocol``). For every completion token t of sample i in group g:
+One optimizer step trains on the groups the scheduler shipped for it (``Batch.groups``: each a
+prompt's ``n`` completions, fetched by reference and decoded into a ``deltarl.rl.samples.Group``,
+with their rewards: a ``ScoredGroup``). For every completion token t of sample i in group g:
 
     A_i      = (r_i - mean_g(r)) / (std_g(r) + eps)        the same for all of i's tokens
     ratio_t  = exp(logp_t - behaviour_logp_t)               current policy over the engine's
@@ -34,12 +34,14 @@ Choices, and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
+
+from deltarl.rl.samples import Group
 
 ADV_EPS = 1e-6
 """The ``eps`` of the advantage's denominator: keeps a tiny-but-nonzero std from exploding."""
@@ -115,72 +117,58 @@ class GRPOBatch:
             yield self.rows(start, min(start + size, self.size))
 
 
-def _sample_fields(where: str, sample: Any) -> tuple[list[int], list[int], list[float], float]:  # noqa: ANN401 - wire data
-    if not isinstance(sample, Mapping):
-        raise BatchError(f"{where}: a sample must be an object, got {type(sample).__name__}")
-    try:
-        prompt = [int(t) for t in sample["prompt_token_ids"]]
-        completion = [int(t) for t in sample["token_ids"]]
-        logprobs = [float(x) for x in sample["logprobs"]]
-        reward = float(sample["reward"])
-    except KeyError as e:
-        raise BatchError(f"{where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise BatchError(f"{where}: malformed field: {e}") from None
-    if not prompt:
-        raise BatchError(f"{where}: empty prompt_token_ids (the first completion token needs "
-                         f"a position to be predicted from)")  # fmt: skip
-    if len(logprobs) != len(completion):
-        raise BatchError(
-            f"{where}: {len(completion)} token_ids but {len(logprobs)} logprobs; the engine "
-            f"records one log-probability per sampled token"
-        )
-    if not all(math.isfinite(x) for x in logprobs):
-        raise BatchError(f"{where}: non-finite logprobs")
-    return prompt, completion, logprobs, reward
+@dataclass(frozen=True)
+class ScoredGroup:
+    """One shipped group: its decoded samples (validated by ``decode_group``) and their
+    rewards, one per sample, in order."""
+
+    group: Group
+    rewards: tuple[float, ...]
 
 
-def build_batch(groups: Sequence[Any], pad_id: int = 0) -> GRPOBatch:
-    """The padded tensors of a step from the scheduler's groups (``Batch.groups``).
+def build_batch(groups: Sequence[ScoredGroup], pad_id: int = 0) -> GRPOBatch:
+    """The padded tensors of a step from the scheduler's groups, decoded.
 
     Samples keep the groups' order, and each group's order of samples, so the same groups
-    always give the same tensors (a replayed step trains bit-identically). A malformed sample
-    raises BatchError naming its group and index.
+    always give the same tensors (a replayed step trains bit-identically). The samples were
+    validated once, when their bytes were decoded; what is checked here is what a batch adds
+    to them: one finite reward per sample (BatchError naming the group), and at least one
+    sample.
     """
-    rows: list[tuple[list[int], list[int], list[float]]] = []
+    samples = []
     advantages: list[Tensor] = []
     rewards: list[float] = []
-    for gi, group in enumerate(groups):
-        gid = group.get("group_id", gi) if isinstance(group, Mapping) else gi
-        samples = group.get("samples") if isinstance(group, Mapping) else None
-        if not isinstance(samples, Sequence) or isinstance(samples, str | bytes):
-            raise BatchError(f"group {gid!r}: no list of samples")
-        fields = [_sample_fields(f"group {gid!r} sample {si}", s) for si, s in enumerate(samples)]
-        group_rewards = [f[3] for f in fields]
-        advantages.append(group_advantages(group_rewards))
-        rewards.extend(group_rewards)
-        rows.extend((p, c, lp) for p, c, lp, _ in fields)
-    if not rows:
+    for scored in groups:
+        gid, n = scored.group.group_id, len(scored.group.samples)
+        if len(scored.rewards) != n:
+            raise BatchError(f"group {gid!r}: {n} samples but {len(scored.rewards)} rewards")
+        try:
+            advantages.append(group_advantages(scored.rewards))
+        except ValueError as e:
+            raise BatchError(f"group {gid!r}: {e}") from None
+        rewards.extend(float(r) for r in scored.rewards)
+        samples.extend(scored.group.samples)
+    if not samples:
         raise BatchError("a batch needs at least one sample")
-    width = max(len(p) + len(c) for p, c, _ in rows)
-    n = len(rows)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.int64)
-    attention = torch.zeros((n, width), dtype=torch.int64)
-    loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
-    behaviour = torch.zeros((n, width - 1), dtype=torch.float32)
-    for i, (prompt, completion, logprobs) in enumerate(rows):
-        seq = prompt + completion
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
-        attention[i, : len(seq)] = 1
+    width = max(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
+    n = len(samples)
+    input_ids = np.full((n, width), pad_id, dtype=np.int64)
+    attention = np.zeros((n, width), dtype=np.int64)
+    loss_mask = np.zeros((n, width - 1), dtype=np.float32)
+    behaviour = np.zeros((n, width - 1), dtype=np.float32)
+    for i, s in enumerate(samples):
+        prompt, length = len(s.prompt_token_ids), len(s.prompt_token_ids) + len(s.token_ids)
+        input_ids[i, :prompt] = s.prompt_token_ids
+        input_ids[i, prompt:length] = s.token_ids
+        attention[i, :length] = 1
         # Completion token k sits at position len(prompt) + k, predicted at the one before.
-        first, last = len(prompt) - 1, len(seq) - 1
-        loss_mask[i, first:last] = 1.0
-        behaviour[i, first:last] = torch.tensor(logprobs, dtype=torch.float32)
+        loss_mask[i, prompt - 1 : length - 1] = 1.0
+        behaviour[i, prompt - 1 : length - 1] = s.logprobs
     return GRPOBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        loss_mask=loss_mask,
-        behaviour_logprobs=behaviour,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention),
+        loss_mask=torch.from_numpy(loss_mask),
+        behaviour_logprobs=torch.from_numpy(behaviour),
         advantages=torch.cat(advantages),
         rewards=torch.tensor(rewards, dtype=torch.float32),
     )

@@ -5,7 +5,9 @@ scheduler as an ``Ask`` and runs it on the daemon runtime). It owns a Hugging Fa
 fp32 (the master weights) and AdamW. Its loop:
 
     TakeBatch(step, groups_per_step, version) --empty--> wait ``wait_s`` (or what it says)
-        v groups
+        v groups (references)
+    their samples from the scheduler's samples endpoint, checked and decoded
+        (deltarl.trainer.shipped; silent endpoint: ask again after ``wait_s``)
     GRPO step (deltarl.trainer.grpo), in the training thread
     publish the bf16 weights as version ``step`` (deltarl.trainer.publisher)
     StepDone(step, version, metrics)
@@ -52,8 +54,9 @@ from deltarl.engine.daemon import DaemonCore, PauseGate
 from deltarl.engine.weight_store import SegmentFormatError
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
 from deltarl.trainer.checkpoint import Checkpointer
-from deltarl.trainer.grpo import BatchError, GRPOConfig, build_batch, train_step
+from deltarl.trainer.grpo import BatchError, GRPOConfig, ScoredGroup, build_batch, train_step
 from deltarl.trainer.publisher import Publisher
+from deltarl.trainer.shipped import FetchBlobs, ShippedItem, fetch_groups, parse_items
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
 if TYPE_CHECKING:
@@ -101,9 +104,10 @@ class TrainerService(DaemonCore):
     daemon: ClassVar[str] = "trainer"
     pause_text: ClassVar[str] = "paused (after the step in flight)"
 
-    def __init__(self, config: RLTrainerConfig, scheduler: Ask) -> None:
+    def __init__(self, config: RLTrainerConfig, scheduler: Ask, fetch: FetchBlobs) -> None:
         self.config = config
         self.scheduler = scheduler
+        self.fetch = fetch
         self.activity = "starting"
         self.gate = PauseGate()
         self.draining = False
@@ -159,7 +163,9 @@ class TrainerService(DaemonCore):
             what = "the checkpoint's weights" if self._restored else "the initial weights"
             logger.info("published version %d (%s)", self.version, what)
 
-    def _train_and_publish(self, step: int, groups: list[Any]) -> dict[str, Any]:
+    def _train_and_publish(
+        self, step: int, items: list[ShippedItem], groups: list[ScoredGroup]
+    ) -> dict[str, Any]:
         if self.model is None or self.optimizer is None or self.publisher is None:
             raise RuntimeError("the trainer is not set up")
         cfg = self.config
@@ -175,12 +181,12 @@ class TrainerService(DaemonCore):
         t1 = time.perf_counter()
         self.publisher.publish(step)
         t2 = time.perf_counter()
-        lags = [g["lag"] for g in groups if isinstance(g.get("lag"), int | float)]
+        lags = [item.lag for item in items if item.lag is not None]
         metrics: dict[str, Any] = {
             **asdict(stats),
             # Which groups this step trained (id -> samples): lets the run record prove that no
             # sample was trained in two steps, a replayed step replacing its own row.
-            "groups": {str(g.get("group_id")): len(g["samples"]) for g in groups},
+            "groups": {g.group.group_id: len(g.group.samples) for g in groups},
             "step_s": t1 - t0,
             "publish_s": t2 - t1,
             "lag_max": max(lags) if lags else None,
@@ -276,9 +282,17 @@ class TrainerService(DaemonCore):
                 self.wait_reason = reply.reason
                 await asyncio.sleep(reply.wait_s if reply.wait_s > 0 else cfg.wait_s)
                 continue
-            self.activity, self.wait_reason = "training", ""
+            self.activity, self.wait_reason = "fetching samples", ""
             try:
-                await self._in_thread(self._train_and_publish, step, list(reply.groups))
+                items = parse_items(reply.groups)
+                groups = await fetch_groups(items, self.fetch, cfg.request_timeout_s)
+                self.activity = "training"
+                await self._in_thread(self._train_and_publish, step, items, groups)
+            except (TimeoutError, ConnectionError) as e:
+                self.error = f"samples endpoint: {e}"
+                logger.warning("step %d: samples not fetched: %s", step, e)
+                await asyncio.sleep(cfg.wait_s)
+                continue
             except BatchError as e:
                 # Skipping the batch would lose its samples, and a crash would come back to it:
                 # stall where status shows why, and ask again (the scheduler may fix it).
@@ -348,5 +362,6 @@ class TrainerService(DaemonCore):
             "error": self.error,
             "store": self.config.published_store,
             "scheduler": self.config.scheduler,
+            "scheduler_samples": self.config.samples_endpoint,
             "max_steps": self.config.max_steps,
         }

@@ -1,7 +1,8 @@
 """The rollout core without an engine or a socket: submits, drain and hand-back.
 
-The scheduler is an in-process ``Ask`` that records what it is sent and answers from a script;
-the engine parts of the loop are covered with vLLM in test_rollout_daemon.py and test_up.py.
+The scheduler is an in-process ``Ask`` that records what it is sent and answers from a script,
+and its samples endpoint an in-process put that keeps the blobs; the engine parts of the loop
+are covered with vLLM in test_rollout_daemon.py and test_up.py.
 """
 
 from __future__ import annotations
@@ -12,8 +13,19 @@ from pathlib import Path
 from deltarl.config.rl import RolloutConfig
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import Heartbeat, SubmitGroup
+from deltarl.rl.samples import decode_group
 from deltarl.rollout.service import RolloutService
+from deltarl.transport.blobs import BlobTooLargeError, blob_digest
 from deltarl.transport.messages import Command, Error, Ok, Reply
+
+SAMPLE = {
+    "prompt_token_ids": [1, 2],
+    "token_ids": [3, 4, 5],
+    "logprobs": [-0.1, -0.2, -0.3],
+    "token_versions": [7, 7, 7],
+    "text": "abc",
+    "finish_reason": "length",
+}
 
 
 class Scheduler:
@@ -31,22 +43,88 @@ class Scheduler:
         return answer
 
 
-def _service(scheduler: Scheduler, tmp_path: Path) -> RolloutService:
+class Samples:
+    """The scheduler's samples endpoint: keeps what is put, after scripted failures."""
+
+    def __init__(self, *failures: Exception) -> None:
+        self.failures = list(failures)
+        self.blobs: dict[str, bytes] = {}
+        self.puts = 0
+
+    async def __call__(self, data: bytes, timeout_s: float) -> str:
+        self.puts += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        self.blobs[blob_digest(data)] = data
+        return blob_digest(data)
+
+
+def _service(
+    scheduler: Scheduler, tmp_path: Path, samples: Samples | None = None
+) -> RolloutService:
     cfg = RolloutConfig(
         control=f"ipc://{tmp_path}/r.sock",
         scheduler=f"ipc://{tmp_path}/s.sock",
         rollout_store="unused",
         idle_s=0.01,
     )
-    return RolloutService(cfg, scheduler, DaemonContext("rollout"))
+    service = RolloutService(cfg, scheduler, DaemonContext("rollout"), samples or Samples())
+    service.prompt_ids.update({"1.0": 1, "2.0": 2})
+    return service
+
+
+def test_a_finished_group_is_put_then_submitted_by_digest(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        scheduler, samples = Scheduler(), Samples()
+        service = _service(scheduler, tmp_path, samples)
+        service.in_flight["1.0"] = 0.0
+        await service._submit("1.0", [SAMPLE, SAMPLE])
+        (submit,) = scheduler.sent
+        assert isinstance(submit, SubmitGroup)
+        group = decode_group(samples.blobs[submit.samples_ref])
+        assert (group.group_id, group.prompt_id, len(group.samples)) == ("1.0", 1, 2)
+        assert group.samples[0].token_ids.tolist() == [3, 4, 5]
+        assert group.samples[1].text == "abc"
+        assert service.submitted_groups == 1
+        assert "1.0" not in service.prompt_ids
+        assert RolloutConfig("c", "ipc:///x/s.sock", "r").samples_endpoint == (
+            "ipc:///x/s.sock.samples"
+        )
+        await service.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_put_nobody_answers_is_retried_and_a_refused_one_drops_the_group(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        scheduler, samples = Scheduler(), Samples(TimeoutError("down"), ConnectionError("x"))
+        service = _service(scheduler, tmp_path, samples)
+        service.in_flight["1.0"] = 0.0
+        await service._submit("1.0", [SAMPLE])
+        assert samples.puts == 3
+        assert [type(c) for c in scheduler.sent] == [SubmitGroup]
+        too_large = Samples(BlobTooLargeError("a blob of 9 bytes is over the bound of 8"))
+        refused = _service(Scheduler(), tmp_path, too_large)
+        await refused._submit("2.0", [SAMPLE])
+        assert refused.refused_groups == 1
+        assert not refused.submitting
+        # Samples the binary form cannot carry are not submitted; the scheduler requeues them.
+        await refused._submit("1.0", [{**SAMPLE, "token_ids": ["x", "y", "z"]}])
+        assert refused.failed_groups == 1
+        await service.close()
+        await refused.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_submit_is_retried_until_the_scheduler_answers(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler(TimeoutError("down"), ConnectionError("gone"), Ok())
         service = _service(scheduler, tmp_path)
-        service.in_flight["g1"] = 0.0
-        await service._submit("g1", [])
+        service.in_flight["1.0"] = 0.0
+        await service._submit("1.0", [])
         assert [type(c) for c in scheduler.sent] == [SubmitGroup] * 3
         assert service.submitted_groups == 1
         assert not service.in_flight
@@ -60,8 +138,8 @@ def test_a_refused_group_is_dropped_and_counted(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler(Error("stale_group", "lease expired"))
         service = _service(scheduler, tmp_path)
-        service.in_flight["g1"] = 0.0
-        await service._submit("g1", [])
+        service.in_flight["1.0"] = 0.0
+        await service._submit("1.0", [])
         assert service.refused_groups == 1
         assert service.submitted_groups == 0
         await service.close()
@@ -73,8 +151,8 @@ def test_drain_waits_for_the_groups_being_submitted(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler(TimeoutError("down"), Ok())
         service = _service(scheduler, tmp_path)
-        service.in_flight["g1"] = 0.0
-        submit = asyncio.create_task(service._submit("g1", []))
+        service.in_flight["1.0"] = 0.0
+        submit = asyncio.create_task(service._submit("1.0", []))
         await asyncio.sleep(0)
         drain = asyncio.create_task(service.drain())
         await asyncio.sleep(0.1)
@@ -94,7 +172,7 @@ def test_close_hands_back_unfinished_groups(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler()
         service = _service(scheduler, tmp_path)
-        service.in_flight.update({"g1": 0.0, "g2": 0.0})
+        service.in_flight.update({"1.0": 0.0, "2.0": 0.0})
         await service.close()
         (beat,) = scheduler.sent
         assert isinstance(beat, Heartbeat)
@@ -109,7 +187,7 @@ def test_a_hand_back_nobody_hears_does_not_fail_the_close(tmp_path: Path) -> Non
     async def scenario() -> None:
         scheduler = Scheduler(TimeoutError("down"))
         service = _service(scheduler, tmp_path)
-        service.in_flight["g1"] = 0.0
+        service.in_flight["1.0"] = 0.0
         await service.close()  # the leases run out instead; no exception
         assert len(scheduler.sent) == 1
 

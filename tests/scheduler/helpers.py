@@ -8,8 +8,10 @@ from typing import Any
 
 from deltarl.config.rl import SchedulerConfig
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
+from deltarl.rl.samples import Group, Sample, encode_group
 from deltarl.scheduler.service import SchedulerService
-from deltarl.scheduler.store import SchedulerStore
+from deltarl.scheduler.store import SchedulerStore, parse_group_id
+from deltarl.transport.blobs import blob_digest
 
 
 class Clock:
@@ -62,6 +64,22 @@ def samples(item: dict[str, Any], n: int, version: int = 0, good: bool = True) -
     ]
 
 
+def encoded(group_id: str, samples: list[dict[str, Any]]) -> bytes:
+    """Sample dicts (``samples``) as a rollout daemon puts them: one encoded group."""
+    ids = parse_group_id(group_id)
+    return encode_group(Group(group_id, ids[0] if ids else 0, tuple(Sample(**s) for s in samples)))
+
+
+def submission(
+    svc: SchedulerService, instance: str, session: str, group_id: str, samples: list[Any]
+) -> SubmitGroup:
+    """The submit of ``samples`` after their put on the samples socket (here: the store)."""
+    data = encoded(group_id, samples)
+    digest = blob_digest(data)
+    svc.store.put_blob(digest, data)
+    return SubmitGroup(instance, session, group_id, digest)
+
+
 async def work(
     svc: SchedulerService, instance: str = "a", session: str = "s1", n: int = 2, version: int = 0
 ) -> Work:
@@ -76,7 +94,7 @@ async def submit_all(
 ) -> list[Any]:
     return [
         await svc.submit_group(
-            SubmitGroup(instance, session, g["group_id"], samples(g, g["n"], version))
+            submission(svc, instance, session, g["group_id"], samples(g, g["n"], version))
         )
         for g in w.groups
     ]

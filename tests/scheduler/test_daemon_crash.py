@@ -1,7 +1,7 @@
 """The real ``deltarl scheduler`` daemon, killed with SIGKILL mid-run and restarted: every prompt
 is trained exactly once. The test itself plays a rollout instance and a trainer through the real
-protocol over the real control socket, retrying each request until it is answered, as the
-real clients do; the trainer also "crashes" once and replays from its last checkpoint.
+protocol over the real control and samples sockets, retrying each request until it is answered,
+as the real clients do; the trainer also "crashes" once and replays from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from deltarl.rl.protocol import (
     TakeBatch,
     Work,
 )
+from deltarl.rl.samples import decode_group
 from deltarl.scheduler.store import SchedulerStore
+from deltarl.transport.blobs import BlobClient, BlobProtocolError, BlobTimeoutError
 from deltarl.transport.control import ControlClient, ControlProtocolError, ControlTimeoutError
 from deltarl.transport.messages import Command, Error, GetStatus, Reply, Status
-from tests.scheduler.helpers import samples
+from tests.scheduler.helpers import encoded, samples
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = 30
@@ -89,7 +91,26 @@ class Client:
 
     def __init__(self, endpoint: str) -> None:
         self.client = ControlClient(endpoint, replies=REPLIES)
+        self.blobs = BlobClient(f"{endpoint}.samples")  # the derived samples endpoint
         self.requests = 0
+
+    async def put(self, data: bytes) -> str:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                return await self.blobs.put(data, timeout=2.0)
+            except (BlobTimeoutError, BlobProtocolError):
+                await asyncio.sleep(0.1)
+        raise AssertionError("no answer to a put in 60 s")
+
+    async def get(self, refs: list[str]) -> list[bytes]:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                return await self.blobs.get(refs, timeout=2.0)
+            except (BlobTimeoutError, BlobProtocolError):
+                await asyncio.sleep(0.1)
+        raise AssertionError("no answer to a get in 60 s")
 
     async def ask(self, command: Command) -> Reply:
         deadline = time.monotonic() + 60
@@ -154,9 +175,9 @@ async def _play(
         assert isinstance(work, Work), work
         for g in work.groups:
             good = rng.random() < 0.5
-            reply = await ask(
-                SubmitGroup("inst", "sess-1", g["group_id"], samples(g, g["n"], step - 1, good))
-            )
+            data = encoded(g["group_id"], samples(g, g["n"], step - 1, good))
+            ref = await client.put(data)
+            reply = await ask(SubmitGroup("inst", "sess-1", g["group_id"], ref))
             assert not isinstance(reply, Error) or reply.code == "stale_group", reply
         batch = await ask(TakeBatch(step, GROUPS_PER_STEP, trainer_version=step - 1))
         assert isinstance(batch, Batch), batch
@@ -164,6 +185,11 @@ async def _play(
             await asyncio.sleep(batch.wait_s)
             continue
         ids = [g["prompt_id"] for g in batch.groups]
+        # What the trainer does: the samples by reference from the samples socket.
+        blobs = await client.get([g["samples_ref"] for g in batch.groups])
+        for g, blob in zip(batch.groups, blobs, strict=True):
+            assert decode_group(blob).group_id == g["group_id"]
+            assert len(g["rewards"]) == GROUP_SIZE
         if step in trained:  # a replay after the trainer's crash: the very same groups
             assert trained[step] == ids
         trained[step] = ids
@@ -179,6 +205,7 @@ async def _play(
         step += 1
     await ask(Checkpointed(STEPS))
     await client.client.close()
+    await client.blobs.close()
     return trained
 
 
@@ -210,7 +237,9 @@ def test_kill_9_of_the_scheduler_trains_every_prompt_exactly_once(tmp_path):
             assert store.state_counts()["trained"] == PROMPTS
             assert store.starts() == 1 + KILLS
             counters = store.counters()
+            blobs = store.blob_stats()
         assert counters["trained_groups"] == PROMPTS
+        assert blobs["blobs"] == blobs["unreferenced"]  # trained groups released theirs
         print("counters after the kills:", counters)  # which paths the kills exercised
         # Replies lost after the commit: a Work nobody received (its lease ran out and the
         # prompts went out again) and a submit sent twice were among them.

@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-from deltarl.rl.protocol import SubmitGroup
 from deltarl.rl.task import RepeatLetter, make_task
 from deltarl.scheduler.reward import RewardFailedError, RewardScorer
 from deltarl.scheduler.store import PromptState
 from deltarl.transport.messages import Error
-from tests.scheduler.helpers import make_service, samples, work
+from tests.scheduler.helpers import make_service, samples, submission, work
 
 
 def test_task_prompts_are_deterministic_and_the_reward_is_the_letters_share():
@@ -94,7 +93,7 @@ def test_a_group_whose_reward_fails_is_dropped_requeued_then_abandoned(tmp_path)
             w = await work(svc, n=1)
             (g,) = w.groups
             assert g["group_id"] == f"0.{attempt}"
-            reply = await svc.submit_group(SubmitGroup("a", "s1", g["group_id"], samples(g, 4)))
+            reply = await svc.submit_group(submission(svc, "a", "s1", g["group_id"], samples(g, 4)))
             assert isinstance(reply, Error)
             assert reply.code == "reward_error"
         c = store.counters()
@@ -118,7 +117,7 @@ def test_a_slow_reward_times_out_through_the_service(tmp_path):
         svc.scorer.fn = slow
         w = await work(svc, n=1)
         (g,) = w.groups
-        reply = await svc.submit_group(SubmitGroup("a", "s1", g["group_id"], samples(g, 4)))
+        reply = await svc.submit_group(submission(svc, "a", "s1", g["group_id"], samples(g, 4)))
         assert isinstance(reply, Error)
         assert reply.code == "reward_timeout"
         assert store.counters()["dropped_groups.reward_timeout"] == 1

@@ -20,7 +20,7 @@ from deltarl.rl.protocol import (
 from deltarl.scheduler.policy import Candidates, InstanceLoad, WorkRequest
 from deltarl.scheduler.store import PromptState
 from deltarl.transport.messages import Error, Ok
-from tests.scheduler.helpers import make_service, samples, submit_all, work
+from tests.scheduler.helpers import make_service, samples, submission, submit_all, work
 
 
 def run(coro):
@@ -39,7 +39,9 @@ def test_life_cycle_replay_and_checkpoint(tmp_path):
         batch = await svc.take_batch(TakeBatch(step=1, groups=2, trainer_version=0))
         assert isinstance(batch, Batch)
         assert [g["prompt_id"] for g in batch.groups] == [0, 1]
-        assert all(s["reward"] == 1.0 for g in batch.groups for s in g["samples"])
+        assert all(r == 1.0 for g in batch.groups for r in g["rewards"])
+        assert all(len(g["rewards"]) == 4 for g in batch.groups)
+        assert all(store.get_blob(g["samples_ref"]) is not None for g in batch.groups)
         assert [g["lag"] for g in batch.groups] == [0, 0]
 
         # The trainer dies before its checkpoint and asks for step 1 again: the same groups.
@@ -137,7 +139,7 @@ def test_duplicate_submit_is_idempotent(tmp_path):
         svc, store, _ = make_service(tmp_path)
         w = await work(svc, n=1)
         g = w.groups[0]
-        cmd = SubmitGroup("a", "s1", g["group_id"], samples(g, 4))
+        cmd = submission(svc, "a", "s1", g["group_id"], samples(g, 4))
         first, second = await asyncio.gather(svc.submit_group(cmd), svc.submit_group(cmd))
         third = await svc.submit_group(cmd)
         assert all(isinstance(r, Ok) for r in (first, second, third))
@@ -152,7 +154,7 @@ def test_bad_samples_are_refused_and_counted(tmp_path):
         svc, store, _ = make_service(tmp_path)
         w = await work(svc, n=1)
         g = w.groups[0]
-        reply = await svc.submit_group(SubmitGroup("a", "s1", g["group_id"], samples(g, 3)))
+        reply = await svc.submit_group(submission(svc, "a", "s1", g["group_id"], samples(g, 3)))
         assert isinstance(reply, Error)
         assert reply.code == "bad_samples"
         assert store.counters()["dropped_groups.bad_samples"] == 1
@@ -308,7 +310,7 @@ def test_unknown_groups_are_refused(tmp_path, bad):
     async def go():
         svc, store, _ = make_service(tmp_path)
         await work(svc, n=1)
-        reply = await svc.submit_group(SubmitGroup("a", "s1", bad, []))
+        reply = await svc.submit_group(SubmitGroup("a", "s1", bad, "0" * 32))
         assert isinstance(reply, Error)
         assert store.state_counts()["pooled"] == 0
 

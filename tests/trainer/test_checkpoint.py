@@ -13,35 +13,28 @@ import numpy as np
 import pytest
 import torch
 
+from deltarl.rl.samples import Group, Sample
 from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
-from deltarl.trainer.grpo import GRPOConfig, build_batch, train_step
+from deltarl.trainer.grpo import GRPOConfig, ScoredGroup, build_batch, train_step
 from tests.trainer.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def synthetic_groups(step: int, groups: int = 2, n: int = 4) -> list[dict]:
+def synthetic_groups(step: int, groups: int = 2, n: int = 4) -> list[ScoredGroup]:
     """Deterministic groups for ``step`` (what a scheduler would ship for it, every time)."""
     g = torch.Generator().manual_seed(1000 + step)
     out = []
     for gi in range(groups):
         prompt = torch.randint(0, 256, (3,), generator=g).tolist()
-        samples = []
+        samples, rewards = [], []
         for _ in range(n):
             length = int(torch.randint(1, 6, (1,), generator=g))
             completion = torch.randint(0, 256, (length,), generator=g).tolist()
-            samples.append(
-                {
-                    "prompt_token_ids": prompt,
-                    "token_ids": completion,
-                    "logprobs": (-5.5 + 0.1 * torch.randn(length, generator=g)).tolist(),
-                    "token_versions": [step - 1] * length,
-                    "text": "",
-                    "finish_reason": "length",
-                    "reward": float(torch.rand(1, generator=g)),
-                }
-            )
-        out.append({"group_id": f"s{step}g{gi}", "prompt_id": gi, "samples": samples, "lag": 0})
+            logprobs = (-5.5 + 0.1 * torch.randn(length, generator=g)).tolist()
+            samples.append(Sample(prompt, completion, logprobs, [step - 1] * length, "", "length"))
+            rewards.append(float(torch.rand(1, generator=g)))
+        out.append(ScoredGroup(Group(f"s{step}g{gi}", gi, tuple(samples)), tuple(rewards)))
     return out
 
 

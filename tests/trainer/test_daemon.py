@@ -1,7 +1,8 @@
 """The trainer daemon as a real process against a test scheduler speaking the real protocol.
 
 The scheduler here is a ``ControlServer`` with handlers for TakeBatch, StepDone and
-Checkpointed that ships deterministic groups per step (the same groups whenever a step is
+Checkpointed, and a ``BlobServer`` on the derived samples endpoint, that ships deterministic
+groups per step (the same groups whenever a step is
 asked again, as the real one replays). At every TakeBatch and StepDone it reads the trainer's
 published store, so it sees every version the trainer publishes.
 
@@ -14,10 +15,11 @@ for steps 4.. again after the restart, and every version is bf16 of its step's f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
 from deltarl.trainer.checkpoint import Checkpointer
+from deltarl.transport.blobs import BlobServer, MemoryBlobs, samples_endpoint
 from deltarl.transport.control import (
     ControlClient,
     ControlProtocolError,
@@ -42,7 +45,7 @@ from deltarl.transport.control import (
 from deltarl.transport.messages import GetStatus, Ok, Pause, Resume, Shutdown, Status
 from tests.test_systemd_units import SYSTEMD, commented_table
 from tests.trainer.test_checkpoint import synthetic_groups
-from tests.trainer.tiny import save_tiny_model
+from tests.trainer.tiny import save_tiny_model, shipped
 
 STEPS = 7
 
@@ -62,6 +65,7 @@ class SchedulerPeer:
     """The xxh3-128 digest of every read of each version's bytes."""
     held: asyncio.Event = field(default_factory=asyncio.Event)
     store: WeightStore | None = None
+    blobs: MemoryBlobs = field(default_factory=MemoryBlobs)
 
     def _snapshot(self) -> None:
         if self.store is None:
@@ -76,7 +80,9 @@ class SchedulerPeer:
             return Batch(cmd.step, [], wait_s=0.05, reason="held by the test")
         self._snapshot()
         self.asked.append((cmd.step, cmd.trainer_version))
-        return Batch(cmd.step, synthetic_groups(cmd.step, groups=cmd.groups))
+        items, blobs = shipped(synthetic_groups(cmd.step, groups=cmd.groups))
+        self.blobs.blobs.update(blobs)
+        return Batch(cmd.step, items)
 
     async def on_done(self, cmd: StepDone) -> Ok:
         self._snapshot()
@@ -87,13 +93,18 @@ class SchedulerPeer:
         self.checkpointed.append(cmd.step)
         return Ok()
 
-    def server(self, endpoint: str) -> ControlServer:
+    @contextlib.asynccontextmanager
+    async def server(self, endpoint: str) -> AsyncIterator[None]:
         handlers = {
             TakeBatch: self.on_take,
             StepDone: self.on_done,
             Checkpointed: self.on_checkpointed,
         }
-        return ControlServer(endpoint, handlers, name="scheduler")
+        async with (
+            ControlServer(endpoint, handlers, name="scheduler"),
+            BlobServer(samples_endpoint(endpoint), self.blobs),
+        ):
+            yield
 
     def close(self) -> None:
         if self.store is not None:

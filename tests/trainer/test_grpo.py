@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from deltarl.config.rl import RLTrainerConfig
+from deltarl.rl.samples import Group, Sample
 from deltarl.trainer.grpo import (
     ADV_EPS,
     BatchError,
     GRPOConfig,
+    ScoredGroup,
     build_batch,
     group_advantages,
     grpo_loss,
@@ -21,16 +23,14 @@ from deltarl.trainer.grpo import (
 from tests.trainer.tiny import sample_groups, tiny_model
 
 
-def _sample(prompt: list[int], completion: list[int], reward: float, lp: float = -1.0) -> dict:
-    return {
-        "prompt_token_ids": prompt,
-        "token_ids": completion,
-        "logprobs": [lp] * len(completion),
-        "token_versions": [0] * len(completion),
-        "text": "",
-        "finish_reason": "stop",
-        "reward": reward,
-    }
+def _sample(
+    prompt: list[int], completion: list[int], reward: float, lp: float = -1.0
+) -> tuple[Sample, float]:
+    return Sample(prompt, completion, [lp] * len(completion), [0] * len(completion)), reward
+
+
+def _group(gid: str, *samples: tuple[Sample, float]) -> ScoredGroup:
+    return ScoredGroup(Group(gid, 0, tuple(s for s, _ in samples)), tuple(r for _, r in samples))
 
 
 # -- advantages -------------------------------------------------------------------------------
@@ -61,10 +61,9 @@ def test_equal_rewards_and_singletons_give_zero_advantage() -> None:
 
 def test_batch_aligns_completion_tokens_with_their_predicting_positions() -> None:
     groups = [
-        {"group_id": "a", "samples": [_sample([5, 6, 7], [8, 9], 1.0, -0.5),
-                                      _sample([5, 6, 7], [10], 0.0, -2.0)]},
-        {"group_id": "b", "samples": [_sample([3], [4, 4, 4, 4], 2.0, -3.0)]},
-    ]  # fmt: skip
+        _group("a", _sample([5, 6, 7], [8, 9], 1.0, -0.5), _sample([5, 6, 7], [10], 0.0, -2.0)),
+        _group("b", _sample([3], [4, 4, 4, 4], 2.0, -3.0)),
+    ]
     b = build_batch(groups, pad_id=0)
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0], [3, 4, 4, 4, 4]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
@@ -82,19 +81,17 @@ def test_batch_aligns_completion_tokens_with_their_predicting_positions() -> Non
     assert sum(m.tokens for m in b.micro_batches(2)) == b.tokens
 
 
-def test_malformed_samples_are_named() -> None:
-    bad = _sample([1, 2], [3, 4], 1.0)
-    bad["logprobs"] = [-1.0]
-    with pytest.raises(BatchError, match=r"group 'g7' sample 1: 2 token_ids but 1 logprobs"):
-        build_batch([{"group_id": "g7", "samples": [_sample([1], [2], 0.0), bad]}])
-    missing = _sample([1], [2], 0.0)
-    del missing["reward"]
-    with pytest.raises(BatchError, match="missing field 'reward'"):
-        build_batch([{"group_id": "g", "samples": [missing]}])
-    with pytest.raises(BatchError, match="empty prompt_token_ids"):
-        build_batch([{"group_id": "g", "samples": [_sample([], [2], 0.0)]}])
+def test_malformed_batches_are_named() -> None:
+    """The samples themselves were validated when their bytes were decoded (tests/rl/
+    test_samples.py: mismatched lengths, empty prompts...); a batch adds one finite reward per
+    sample, and needs a sample."""
+    two = _group("g7", _sample([1], [2], 0.0), _sample([1, 2], [3, 4], 1.0))
+    with pytest.raises(BatchError, match=r"group 'g7': 2 samples but 1 rewards"):
+        build_batch([ScoredGroup(two.group, two.rewards[:1])])
+    with pytest.raises(BatchError, match=r"group 'g7': group rewards must be finite"):
+        build_batch([ScoredGroup(two.group, (1.0, math.nan))])
     with pytest.raises(BatchError, match="at least one sample"):
-        build_batch([{"group_id": "g", "samples": []}])
+        build_batch([_group("g")])
 
 
 # -- the loss ---------------------------------------------------------------------------------
@@ -167,11 +164,9 @@ def test_loss_is_token_mean_and_micro_batching_does_not_change_the_gradient() ->
     torch.manual_seed(0)
     model = tiny_model(0)
     groups = [
-        {"group_id": "a", "samples": [_sample([1, 2], [3, 4, 5, 6, 7, 8], 1.0),
-                                      _sample([1, 2], [9], 0.0)]},
-        {"group_id": "b", "samples": [_sample([4, 4, 4], [5, 5], 0.0),
-                                      _sample([4, 4, 4], [6, 6, 6], 3.0)]},
-    ]  # fmt: skip
+        _group("a", _sample([1, 2], [3, 4, 5, 6, 7, 8], 1.0), _sample([1, 2], [9], 0.0)),
+        _group("b", _sample([4, 4, 4], [5, 5], 0.0), _sample([4, 4, 4], [6, 6, 6], 3.0)),
+    ]
     batch = build_batch(groups)
     with torch.no_grad():
         current = token_logprobs(model, batch.input_ids, batch.attention_mask)

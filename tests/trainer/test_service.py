@@ -18,12 +18,13 @@ from deltarl.trainer.checkpoint import Checkpointer
 from deltarl.trainer.service import TrainerService
 from deltarl.transport.messages import Command, Ok, Reply
 from tests.trainer.test_checkpoint import synthetic_groups
-from tests.trainer.tiny import save_tiny_model
+from tests.trainer.tiny import save_tiny_model, shipped
 
 
 @dataclass
 class Scheduler:
-    """Ships ``synthetic_groups`` for every step; records what the trainer told it."""
+    """Ships ``synthetic_groups`` for every step (their samples on ``fetch``, its samples
+    endpoint); records what the trainer told it."""
 
     down_for: int = 0
     """Answer this many requests with a timeout first."""
@@ -31,6 +32,9 @@ class Scheduler:
     checkpointed: list[int] = field(default_factory=list)
     taken: list[int] = field(default_factory=list)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    fetch_down_for: int = 0
+    """Answer this many fetches of samples with a timeout first."""
 
     async def __call__(self, command: Command, timeout_s: float) -> Reply:
         if self.down_for > 0:
@@ -39,12 +43,20 @@ class Scheduler:
         if isinstance(command, TakeBatch):
             await self.gate.wait()
             self.taken.append(command.step)
-            return Batch(command.step, synthetic_groups(command.step, groups=command.groups))
+            items, blobs = shipped(synthetic_groups(command.step, groups=command.groups))
+            self.blobs.update(blobs)
+            return Batch(command.step, items)
         if isinstance(command, StepDone):
             self.done.append(command.step)
         elif isinstance(command, Checkpointed):
             self.checkpointed.append(command.step)
         return Ok()
+
+    async def fetch(self, refs: list[str], timeout_s: float) -> list[bytes]:
+        if self.fetch_down_for > 0:
+            self.fetch_down_for -= 1
+            raise TimeoutError("samples endpoint down")
+        return [self.blobs[r] for r in refs]
 
 
 def _config(tmp_path: Path, **overrides: object) -> RLTrainerConfig:
@@ -75,7 +87,7 @@ def test_steps_are_reported_then_checkpointed(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler()
         scheduler.gate.set()
-        trainer = TrainerService(_config(tmp_path, max_steps=3), scheduler)
+        trainer = TrainerService(_config(tmp_path, max_steps=3), scheduler, scheduler.fetch)
         run = asyncio.create_task(trainer.run())
         await _until(lambda: trainer.activity == "finished")
         run.cancel()
@@ -93,7 +105,7 @@ def test_a_silent_scheduler_is_waited_for_and_said(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler(down_for=3)
         scheduler.gate.set()
-        trainer = TrainerService(_config(tmp_path, max_steps=1), scheduler)
+        trainer = TrainerService(_config(tmp_path, max_steps=1), scheduler, scheduler.fetch)
         run = asyncio.create_task(trainer.run())
         await _until(lambda: trainer.error is not None)
         assert "scheduler down" in str(trainer.status_fields()["error"])
@@ -110,7 +122,9 @@ def test_a_silent_scheduler_is_waited_for_and_said(tmp_path: Path) -> None:
 def test_drain_finishes_the_step_in_flight_and_close_checkpoints_it(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler()
-        trainer = TrainerService(_config(tmp_path, checkpoint_every=100), scheduler)
+        trainer = TrainerService(
+            _config(tmp_path, checkpoint_every=100), scheduler, scheduler.fetch
+        )
         run = asyncio.create_task(trainer.run())
         await _until(lambda: trainer.activity == "waiting for a batch")
         scheduler.gate.set()
@@ -135,7 +149,7 @@ def test_pause_holds_after_the_step_in_flight(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler()
         scheduler.gate.set()
-        trainer = TrainerService(_config(tmp_path), scheduler)
+        trainer = TrainerService(_config(tmp_path), scheduler, scheduler.fetch)
         run = asyncio.create_task(trainer.run())
         await _until(lambda: trainer.step >= 1)
         assert trainer.gate is not None
@@ -147,6 +161,49 @@ def test_pause_holds_after_the_step_in_flight(tmp_path: Path) -> None:
         assert trainer.step == held
         trainer.gate.resume()
         await _until(lambda: trainer.step > held)
+        run.cancel()
+        await asyncio.wait({run})
+        await trainer.close()
+
+    asyncio.run(scenario())
+
+
+def test_samples_are_fetched_by_reference_and_a_silent_endpoint_is_waited_for(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler(fetch_down_for=2)
+        scheduler.gate.set()
+        trainer = TrainerService(_config(tmp_path, max_steps=1), scheduler, scheduler.fetch)
+        run = asyncio.create_task(trainer.run())
+        await _until(lambda: trainer.error is not None)
+        assert "samples endpoint down" in str(trainer.status_fields()["error"])
+        await _until(lambda: trainer.activity == "finished")
+        run.cancel()
+        await asyncio.wait({run})
+        await trainer.close()
+        assert scheduler.done == [1]
+        assert scheduler.taken == [1, 1, 1]  # asked again until the samples came
+        assert trainer.metrics["groups"] == {"s1g0": 4, "s1g1": 4}
+        assert trainer.metrics["samples"] == 8
+
+    asyncio.run(scenario())
+
+
+def test_samples_that_are_not_their_digests_bytes_stall_the_step(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler()
+        scheduler.gate.set()
+
+        async def forged(refs: list[str], timeout_s: float) -> list[bytes]:
+            real = await scheduler.fetch(refs, timeout_s)
+            return [real[1], *real[1:]]  # the first group's digest, the second's bytes
+
+        trainer = TrainerService(_config(tmp_path, max_steps=1), scheduler, forged)
+        run = asyncio.create_task(trainer.run())
+        await _until(lambda: trainer.activity == "stalled")
+        assert "are not the bytes of" in str(trainer.error)
+        assert trainer.step == 0  # nothing trained on bytes nobody validated
         run.cancel()
         await asyncio.wait({run})
         await trainer.close()

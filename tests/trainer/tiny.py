@@ -8,6 +8,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from deltarl.rl.samples import Group, Sample, encode_group
+from deltarl.trainer.grpo import ScoredGroup
+from deltarl.transport.blobs import blob_digest
+
 VOCAB = 256
 
 
@@ -46,9 +50,9 @@ def sample_groups(
     max_tokens: int,
     generator: torch.Generator,
     reward: Callable[[list[int]], float],
-) -> list[dict[str, object]]:
+) -> list[ScoredGroup]:
     """``n`` sampled completions per prompt with the log-probs an engine would record, as
-    the scheduler ships them (``reward`` maps a completion to its reward)."""
+    the trainer decodes them (``reward`` maps a completion to its reward)."""
     groups = []
     for pi, prompt in enumerate(prompts):
         seqs = torch.tensor([prompt] * n, dtype=torch.int64)
@@ -60,19 +64,34 @@ def sample_groups(
             logprobs.append(lp.gather(-1, tok))
             seqs = torch.cat([seqs, tok], dim=1)
         lps = torch.cat(logprobs, dim=1)
-        samples = []
+        samples, rewards = [], []
         for i in range(n):
             completion = seqs[i, len(prompt) :].tolist()
             samples.append(
-                {
-                    "prompt_token_ids": list(prompt),
-                    "token_ids": completion,
-                    "logprobs": lps[i].tolist(),
-                    "token_versions": [0] * len(completion),
-                    "text": "",
-                    "finish_reason": "length",
-                    "reward": float(reward(completion)),
-                }
+                Sample(
+                    list(prompt), completion, lps[i].tolist(), [0] * len(completion), "", "length"
+                )
             )
-        groups.append({"group_id": f"g{pi}", "prompt_id": pi, "samples": samples, "lag": 0})
+            rewards.append(float(reward(completion)))
+        groups.append(ScoredGroup(Group(f"g{pi}", pi, tuple(samples)), tuple(rewards)))
     return groups
+
+
+def shipped(groups: list[ScoredGroup]) -> tuple[list[dict[str, object]], dict[str, bytes]]:
+    """``groups`` as a scheduler ships them: ``Batch.groups`` items naming their samples by
+    digest, and the blobs its samples endpoint serves for those digests."""
+    items, blobs = [], {}
+    for g in groups:
+        data = encode_group(g.group)
+        digest = blob_digest(data)
+        blobs[digest] = data
+        items.append(
+            {
+                "group_id": g.group.group_id,
+                "prompt_id": g.group.prompt_id,
+                "samples_ref": digest,
+                "rewards": list(g.rewards),
+                "lag": 0,
+            }
+        )
+    return items, blobs
