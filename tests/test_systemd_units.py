@@ -278,7 +278,8 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
             "max_policy_lag_steps",
             "on_lag_exceeded",
         },
-        "rollout": {"control", "scheduler", "rollout_store", "model_dir", "apply_control"},
+        # apply_control is accepted but unused: the digest is in the rollout store
+        "rollout": {"control", "scheduler", "rollout_store", "model_dir"},
     }[daemon]
     assert set(table) == expected
     assert f"deltarl {daemon} --help" in text  # where the keys are described

@@ -130,6 +130,10 @@ def _prompts(directory: Path) -> dict[int, tuple[str, int | None]]:
         }
 
 
+# Slow (about a minute each on two cores): run with `-m slow`. The default run still kills
+# daemons end to end: the trainer mid-run (tests/trainer/test_daemon.py), the scheduler
+# (tests/scheduler/test_daemon_crash.py), the apply agent and the links (tests/daemons/).
+@pytest.mark.slow
 def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> None:
     for daemon in up.ORDER:
         run.start(daemon)
@@ -173,6 +177,7 @@ def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> No
     assert set(codes.values()) == {0}, codes
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_daemon_cleanly(home: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltarl.cli", "up", "--steps", "50", "--json"],

@@ -31,6 +31,39 @@ class PlaneCompressor:
         return COMP_NONE, raw
 
 
+class ZstdFrameError(ValueError):
+    """A zstd frame that is malformed, corrupt, or larger than its reader allows."""
+
+
+def zstd_frame(
+    wire: bytes | memoryview, *, exact: int | None = None, limit: int | None = None
+) -> bytes:
+    """The bytes of one zstd frame, or ZstdFrameError: the one bounded zstd decoder of the
+    project (the codec's byte planes, the stream link's payloads).
+
+    The frame must declare its content size, and it must equal ``exact`` (or be at most
+    ``limit``) before anything is decoded; the decoder then never writes more than that, so a
+    forged frame cannot make a reader allocate more than it allowed.
+    """
+    try:
+        size = zstandard.get_frame_parameters(wire).content_size
+    except zstandard.ZstdError as exc:
+        raise ZstdFrameError(f"not a zstd frame ({exc})") from exc
+    if size == zstandard.CONTENTSIZE_UNKNOWN:
+        raise ZstdFrameError("zstd frame of unknown size; a sized frame is required")
+    if exact is not None and size != exact:
+        raise ZstdFrameError(f"zstd frame holds {size} bytes, header says {exact}")
+    if limit is not None and size > limit:
+        raise ZstdFrameError(f"zstd frame of {size} bytes; the limit is {limit}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(wire, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise ZstdFrameError(f"corrupt zstd data ({exc})") from exc
+    if len(raw) != size:
+        raise ZstdFrameError(f"decompressed to {len(raw)} bytes, the frame claims {size}")
+    return raw
+
+
 def decompress(compression: int, wire: memoryview, raw_len: int, what: str) -> bytes | memoryview:
     """The raw bytes of one stream, exactly raw_len of them, or a FrameError naming ``what``."""
     if compression == COMP_NONE:
@@ -40,18 +73,6 @@ def decompress(compression: int, wire: memoryview, raw_len: int, what: str) -> b
     if compression != COMP_ZSTD:
         raise FrameError(f"{what}: unknown compression id {compression}")
     try:
-        params = zstandard.get_frame_parameters(wire)
-    except zstandard.ZstdError as exc:
-        raise FrameError(f"{what}: not a zstd frame ({exc})") from exc
-    if params.content_size != raw_len:
-        raise FrameError(
-            f"{what}: zstd frame holds {params.content_size} bytes, header says {raw_len}"
-        )
-    try:
-        # max_output_size bounds the allocation whatever the zstd frame claims.
-        raw = zstandard.ZstdDecompressor().decompress(wire, max_output_size=raw_len)
-    except zstandard.ZstdError as exc:
-        raise FrameError(f"{what}: corrupt zstd data ({exc})") from exc
-    if len(raw) != raw_len:
-        raise FrameError(f"{what}: decompressed to {len(raw)} bytes, header says {raw_len}")
-    return raw
+        return zstd_frame(wire, exact=raw_len)
+    except ZstdFrameError as exc:
+        raise FrameError(f"{what}: {exc}") from exc

@@ -22,8 +22,9 @@ from deltarl.config import ConfigError
 from deltarl.config.rl import SchedulerConfig
 from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
+from deltarl.scheduler.rows import SchedulerStoreError
 from deltarl.scheduler.service import SchedulerService
-from deltarl.scheduler.store import SchedulerStore, SchedulerStoreError
+from deltarl.scheduler.store import SchedulerStore
 from deltarl.transport.blobs import BlobServer
 
 logger = logging.getLogger(__name__)

@@ -186,7 +186,8 @@ class History(Reply):
     counters: dict[str, Any] = field(default_factory=dict)
 
 
-RL_COMMANDS = decode_table(Heartbeat, GetWork, SubmitGroup, TakeBatch, StepDone, Checkpointed,
-                           GetHistory)  # fmt: skip
+RL_COMMANDS = decode_table(
+    Heartbeat, GetWork, SubmitGroup, TakeBatch, StepDone, Checkpointed, GetHistory
+)
 REPLIES = {**BASE_REPLIES, **decode_table(Work, Batch, History)}
 """What a client of the scheduler decodes: ``ControlClient(endpoint, replies=REPLIES)``."""

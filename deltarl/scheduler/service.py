@@ -89,7 +89,8 @@ from deltarl.scheduler.policy import (
     make_policy,
 )
 from deltarl.scheduler.reward import RewardFailedError, RewardScorer
-from deltarl.scheduler.store import Group, PromptState, SchedulerStore, parse_group_id
+from deltarl.scheduler.rows import Group, PromptState, parse_group_id
+from deltarl.scheduler.store import SchedulerStore
 from deltarl.transport.control import Handler
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
@@ -184,8 +185,7 @@ class SchedulerService(DaemonCore):
         if known is None or known.session != session:
             n = self.store.requeue_instance(instance, "session_changed", keep_session=session)
             if n:
-                logger.info("instance %s: new session %s, %d groups requeued", instance,
-                            session, n)  # fmt: skip
+                logger.info("instance %s: new session %s, %d groups requeued", instance, session, n)
             known = Instance(instance, session, 0.0, 0.0)
             self.instances[instance] = known
         known.last_seen, known.last_seen_wall = self.monotonic(), self.store.clock()
@@ -201,8 +201,9 @@ class SchedulerService(DaemonCore):
             if now - inst.last_seen > self.config.heartbeat_timeout_s:
                 del self.instances[name]
                 n = self.store.requeue_instance(name, "heartbeat_missed")
-                logger.warning("instance %s missed its heartbeats: removed, %d groups requeued",
-                               name, n)  # fmt: skip
+                logger.warning(
+                    "instance %s missed its heartbeats: removed, %d groups requeued", name, n
+                )
         expired = self.store.requeue_expired()
         if expired:
             logger.warning("%d leases expired: prompts %s requeued", len(expired), expired[:8])
@@ -237,8 +238,13 @@ class SchedulerService(DaemonCore):
         before = self.store.clock() - self.config.not_held_grace_s
         lost = self.store.requeue_not_held(instance, session, keep, before)
         if lost:
-            logger.warning("instance %s does not hold %d issued groups (Work reply lost?): "
-                           "prompts %s requeued", instance, len(lost), lost[:8])  # fmt: skip
+            logger.warning(
+                "instance %s does not hold %d issued groups (Work reply lost?): "
+                "prompts %s requeued",
+                instance,
+                len(lost),
+                lost[:8],
+            )
 
     def _wait(self, reason: str, sync_to: int | None = None) -> Work:
         return Work([], wait_s=self.config.wait_s, reason=reason, sync_to=sync_to)
@@ -290,12 +296,19 @@ class SchedulerService(DaemonCore):
             if g.instance in held:
                 held[g.instance] += 1
         loads = [
-            InstanceLoad(i.name, held[i.name], i.running_groups, i.queue_depth, i.tokens_per_s,
-                         i.weight_version)
+            InstanceLoad(
+                i.name,
+                held[i.name],
+                i.running_groups,
+                i.queue_depth,
+                i.tokens_per_s,
+                i.weight_version,
+            )
             for i in self.instances.values()
-        ]  # fmt: skip
-        chosen = self.policy.choose(WorkRequest(cmd.instance, cmd.max_groups, room), loads,
-                                    candidates)  # fmt: skip
+        ]
+        chosen = self.policy.choose(
+            WorkRequest(cmd.instance, cmd.max_groups, room), loads, candidates
+        )
         if not chosen:
             return self._wait(f"the {self.policy.name} policy gives {cmd.instance} nothing now")
         groups = self.store.issue(
@@ -357,8 +370,10 @@ class SchedulerService(DaemonCore):
             return Error("unknown_group", f"no group {cmd.group_id!r} was issued")
         prompt_id, attempt = ids
         if group.attempt == attempt and group.state in (
-            PromptState.POOLED, PromptState.SHIPPED, PromptState.TRAINED
-        ):  # fmt: skip
+            PromptState.POOLED,
+            PromptState.SHIPPED,
+            PromptState.TRAINED,
+        ):
             self.store.bump("submit.duplicate")
             return Ok(f"duplicate: group {cmd.group_id} is {group.state} already")
         stale = (
@@ -405,8 +420,9 @@ class SchedulerService(DaemonCore):
     def _refuse_stale(self, group: Group, attempt: int, n: int, message: str) -> Error:
         """Refuse a submission of a past attempt: the recorded answer if it was refused (or
         dropped) before, else stale, counted and recorded, so retries count nothing."""
-        (code, text), first = self.store.refuse_stale(group.prompt_id, attempt, n,
-                                                      "stale_group", message)  # fmt: skip
+        (code, text), first = self.store.refuse_stale(
+            group.prompt_id, attempt, n, "stale_group", message
+        )
         if not first:
             self.store.bump("submit.duplicate")
         return Error(code, text)
@@ -477,12 +493,19 @@ class SchedulerService(DaemonCore):
             cmd.step, cmd.groups, cmd.trainer_version, cfg.max_policy_lag_steps
         )
         if result.dropped_for_lag:
-            logger.info("step %d: %d pooled groups over the lag bound dropped", cmd.step,
-                        len(result.dropped_for_lag))  # fmt: skip
+            logger.info(
+                "step %d: %d pooled groups over the lag bound dropped",
+                cmd.step,
+                len(result.dropped_for_lag),
+            )
         if not result.groups:
             counts = self.store.state_counts()
-            return Batch(cmd.step, [], wait_s=cfg.wait_s,
-                         reason=f"{counts['pooled']} of {cmd.groups} groups pooled")  # fmt: skip
+            return Batch(
+                cmd.step,
+                [],
+                wait_s=cfg.wait_s,
+                reason=f"{counts['pooled']} of {cmd.groups} groups pooled",
+            )
         if any(g.state == PromptState.TRAINED for g in result.groups):
             return Error(
                 "checkpointed",

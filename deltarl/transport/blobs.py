@@ -64,11 +64,14 @@ def blob_digest(data: bytes | memoryview) -> str:
 
 def samples_endpoint(control: str) -> str:
     """The samples endpoint that goes with a scheduler's control endpoint, when none is set:
-    ``ipc://PATH`` -> ``ipc://PATH.samples``, ``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+1``."""
+    ``ipc://PATH`` -> ``ipc://PATH.samples``, ``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+1``
+    (port 0, "any free port", stays 0: nobody can find either socket but by asking)."""
     check_endpoint(control)
     if control.startswith("ipc://"):
         return f"{control}.samples"
     host, colon, port = control.removeprefix("tcp://").rpartition(":")
+    if colon and port == "0":
+        return control
     if not colon or not port.isdigit() or not 0 < int(port) < 65535:
         raise ValueError(
             f"cannot derive a samples endpoint from {control!r} (a fixed tcp port is needed): "

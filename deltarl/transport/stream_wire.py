@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from deltarl.codecs.compression import ZstdFrameError, zstd_frame
 from deltarl.transport.base import MAX_VERSION
 
 HEADER = struct.Struct("<BQIQ")
@@ -126,21 +127,9 @@ def compress(data: bytes | memoryview, level: int) -> tuple[bool, bytes | memory
 def decompress(payload: bytes, max_bytes: int, what: str) -> bytes:
     """The bytes of one zstd frame, at most ``max_bytes`` of them; WireError naming ``what``."""
     try:
-        size = zstandard.get_frame_parameters(payload).content_size
-    except zstandard.ZstdError as exc:
-        raise WireError(f"{what}: flagged zstd but is not a zstd frame ({exc})") from exc
-    if size == zstandard.CONTENTSIZE_UNKNOWN or size > max_bytes:
-        raise WireError(
-            f"{what}: zstd frame of {size} bytes (unknown = {zstandard.CONTENTSIZE_UNKNOWN}); "
-            f"the limit is {max_bytes}"
-        )
-    try:
-        data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size)
-    except zstandard.ZstdError as exc:
-        raise WireError(f"{what}: corrupt zstd frame ({exc})") from exc
-    if len(data) != size:
-        raise WireError(f"{what}: zstd frame decoded to {len(data)} bytes, it claims {size}")
-    return data
+        return zstd_frame(payload, limit=max_bytes)
+    except ZstdFrameError as exc:
+        raise WireError(f"{what}: {exc}") from exc
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:

@@ -87,7 +87,7 @@ def test_a_finished_group_is_put_then_submitted_by_digest(tmp_path: Path) -> Non
         assert group.samples[1].text == "abc"
         assert service.submitted_groups == 1
         assert "1.0" not in service.prompt_ids
-        assert RolloutConfig("c", "ipc:///x/s.sock", "r").samples_endpoint == (
+        assert RolloutConfig("ipc:///x/r.sock", "ipc:///x/s.sock", "r").samples_endpoint == (
             "ipc:///x/s.sock.samples"
         )
         await service.close()

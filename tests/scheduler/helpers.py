@@ -9,8 +9,9 @@ from typing import Any
 from deltarl.config.rl import SchedulerConfig
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
 from deltarl.rl.samples import Group, Sample, encode_group
+from deltarl.scheduler.rows import parse_group_id
 from deltarl.scheduler.service import SchedulerService
-from deltarl.scheduler.store import SchedulerStore, parse_group_id
+from deltarl.scheduler.store import SchedulerStore
 from deltarl.transport.blobs import blob_digest
 
 

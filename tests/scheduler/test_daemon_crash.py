@@ -255,8 +255,10 @@ def test_kill_9_of_the_scheduler_trains_every_prompt_exactly_once(tmp_path):
         report: dict[str, Any] = orjson.loads(js.stdout)
         body = report["reply"]["body"]
         assert [s["step"] for s in body["steps"]] == list(range(1, STEPS + 1))
-        assert all(s["checkpointed"] and s["samples"] == GROUP_SIZE * GROUPS_PER_STEP
-                   for s in body["steps"])  # fmt: skip
+        assert all(
+            s["checkpointed"] and s["samples"] == GROUP_SIZE * GROUPS_PER_STEP
+            for s in body["steps"]
+        )
         assert all(0.0 <= s["reward_mean"] <= 1.0 for s in body["steps"])
         assert body["steps"][-1]["metrics"]["loss"] == 1.0 / STEPS
         assert body["config"]["dataset_size"] == PROMPTS
@@ -296,8 +298,9 @@ on_lag_exceeded = "wait"
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 78
     assert "on_lag_exceeded" in done.stderr
-    path.write_text(path.read_text().replace('"wait"', '"drop"') + "[daemons.scheduler.sampling]\n"
-                    "top_k = 5\n")  # fmt: skip
+    path.write_text(
+        path.read_text().replace('"wait"', '"drop"') + "[daemons.scheduler.sampling]\ntop_k = 5\n"
+    )
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 78
     assert "top_k" in done.stderr

@@ -13,8 +13,8 @@ import pytest
 
 from deltarl.rl.protocol import Heartbeat, SubmitGroup, TakeBatch
 from deltarl.rl.samples import decode_group
+from deltarl.scheduler.rows import PromptState
 from deltarl.scheduler.service import SchedulerService
-from deltarl.scheduler.store import PromptState
 from deltarl.transport.blobs import blob_digest
 from deltarl.transport.messages import Error, Ok, from_body
 from tests.scheduler.helpers import encoded, make_service, samples, submission, work
@@ -161,8 +161,9 @@ def test_the_heartbeat_fields_decode_and_default_to_the_old_behaviour() -> None:
     old = from_body(Heartbeat, {"instance": "a", "session": "s"})
     assert old.held == []
     assert old.reports_held is False
-    new = from_body(Heartbeat, {"instance": "a", "session": "s", "held": ["0.0"],
-                                "reports_held": True})  # fmt: skip
+    new = from_body(
+        Heartbeat, {"instance": "a", "session": "s", "held": ["0.0"], "reports_held": True}
+    )
     assert new.held == ["0.0"]
     assert new.reports_held is True
 
@@ -228,8 +229,9 @@ def test_a_group_being_scored_is_not_taken_back_by_a_heartbeat(tmp_path: Path) -
         release = _blocking_reward(svc)
         # The daemon stopped listing the group once it sent the submit (a daemon should keep
         # it until the reply; the scheduler guards the scoring window anyway).
-        task = asyncio.ensure_future(svc.submit_group(submission(svc, "a", "s1", g["group_id"],
-                                                                  samples(g, 4))))  # fmt: skip
+        task = asyncio.ensure_future(
+            svc.submit_group(submission(svc, "a", "s1", g["group_id"], samples(g, 4)))
+        )
         await asyncio.sleep(0.05)
         clock.advance(6.0)
         await svc.heartbeat(Heartbeat("a", "s1", held=[], reports_held=True))

@@ -10,7 +10,7 @@ import pytest
 
 from deltarl.rl.task import RepeatLetter, make_task
 from deltarl.scheduler.reward import RewardFailedError, RewardScorer
-from deltarl.scheduler.store import PromptState
+from deltarl.scheduler.rows import PromptState
 from deltarl.transport.messages import Error
 from tests.scheduler.helpers import make_service, samples, submission, work
 

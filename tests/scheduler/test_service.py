@@ -18,7 +18,7 @@ from deltarl.rl.protocol import (
     Work,
 )
 from deltarl.scheduler.policy import Candidates, InstanceLoad, WorkRequest
-from deltarl.scheduler.store import PromptState
+from deltarl.scheduler.rows import PromptState
 from deltarl.transport.messages import Error, Ok
 from tests.scheduler.helpers import make_service, samples, submission, submit_all, work
 

@@ -176,8 +176,16 @@ async def finish_run(client: ControlClient, proc: subprocess.Popen[bytes], log: 
     assert st.fields["step"] == STEPS
     assert st.fields["published_version"] == STEPS
     assert st.fields["checkpoint_step"] == STEPS
-    assert set(st.fields["metrics"]) >= {"loss", "kl", "clip_frac", "tokens", "grad_norm",
-                                         "step_s", "publish_s", "reward_mean"}  # fmt: skip
+    assert set(st.fields["metrics"]) >= {
+        "loss",
+        "kl",
+        "clip_frac",
+        "tokens",
+        "grad_norm",
+        "step_s",
+        "publish_s",
+        "reward_mean",
+    }
     assert isinstance(await client.request(Shutdown()), Ok)
     assert await asyncio.to_thread(proc.wait, 60) == 0
 
@@ -313,8 +321,11 @@ def test_config_is_checked(tmp_path: Path) -> None:
     path.write_text(bad)
     with pytest.raises(ConfigError, match=r"\[daemons.trainer\].*micro_batch must be at least 1"):
         load(RLTrainerConfig, "trainer", str(path))
-    path.write_text(bad.replace("micro_batch = 0", "micro_batch = 3").replace(
-        'scheduler = "ipc://', 'scheduler = "udp://'))  # fmt: skip
+    path.write_text(
+        bad.replace("micro_batch = 0", "micro_batch = 3").replace(
+            'scheduler = "ipc://', 'scheduler = "udp://'
+        )
+    )
     with pytest.raises(ConfigError, match="bad control endpoint"):
         load(RLTrainerConfig, "trainer", str(path))
 

@@ -142,8 +142,16 @@ def test_k3_kl_term() -> None:
     ref = torch.tensor([[-1.5, -2.0]], dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
     zero_adv = torch.zeros(1, dtype=torch.float64)
-    loss, sums = grpo_loss(logp, logp.detach(), zero_adv, mask, clip_eps=0.2, normaliser=2,
-                           ref_logprobs=ref, kl_coef=0.5)  # fmt: skip
+    loss, sums = grpo_loss(
+        logp,
+        logp.detach(),
+        zero_adv,
+        mask,
+        clip_eps=0.2,
+        normaliser=2,
+        ref_logprobs=ref,
+        kl_coef=0.5,
+    )
     d = -0.5
     k3 = math.exp(d) - d - 1
     assert sums.kl == pytest.approx(k3)
@@ -154,8 +162,16 @@ def test_k3_kl_term() -> None:
     assert logp.grad[0, 0].item() == pytest.approx(0.5 * (1 - math.exp(d)) / 2)
     assert logp.grad[0, 1].item() == 0.0
     # Without a coefficient the KL is measured but does not enter the loss.
-    loss0, sums0 = grpo_loss(logp, logp.detach(), zero_adv, mask, clip_eps=0.2, normaliser=2,
-                             ref_logprobs=ref, kl_coef=0.0)  # fmt: skip
+    loss0, sums0 = grpo_loss(
+        logp,
+        logp.detach(),
+        zero_adv,
+        mask,
+        clip_eps=0.2,
+        normaliser=2,
+        ref_logprobs=ref,
+        kl_coef=0.0,
+    )
     assert loss0.item() == 0.0
     assert sums0.kl == pytest.approx(k3)
 
@@ -228,9 +244,13 @@ def test_grpo_steps_raise_the_probability_of_rewarded_tokens() -> None:
     rewards = []
     for _ in range(20):
         groups = sample_groups(
-            model, prompts, n=8, max_tokens=6, generator=g,
+            model,
+            prompts,
+            n=8,
+            max_tokens=6,
+            generator=g,
             reward=lambda c: sum(t < GOOD for t in c) / len(c),
-        )  # fmt: skip
+        )
         rewards.append(train_step(model, opt, build_batch(groups), GRPOConfig()).reward_mean)
     after = _rewarded_mass(model, held_out)
     assert 0.08 < before < 0.2
