@@ -215,6 +215,9 @@ class Refits:
                 "open_s": applied["open_s"],
                 "first_chunk_after_s": opened_at - last["started_at"],
                 "sent_to_commit_s": applied["committed_at"] - last["sent_at"],
+                # The acknowledgement's own latency: the flip to the export agent hearing of it
+                # (a pushed event; it was a status poll every poll_s before).
+                "commit_to_ack_s": last["acked_at"] - applied["committed_at"],
             }
         )
         return record, now

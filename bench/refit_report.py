@@ -86,7 +86,8 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f"  version {d['version']}: lease {d['copy_s'] * 1e3:.1f} ms, apply opened "
             f"{d['first_chunk_after_s'] * 1e3:.1f} ms after encoding began (open + copy of the "
             f"active buffer {d['open_s'] * 1e3:.1f} ms), commit {d['sent_to_commit_s'] * 1e3:.1f}"
-            f" ms after the last send returned"
+            f" ms after the last send returned, acknowledged {d['commit_to_ack_s'] * 1e3:.2f} ms"
+            f" after the commit"
         )
     lines.append("")
     lines += [f"  [{'ok' if ok else 'MISS'}] {text}" for text, ok in verdicts(result)]

@@ -49,10 +49,10 @@ def zstd_frame(
         size = zstandard.get_frame_parameters(wire).content_size
     except zstandard.ZstdError as exc:
         raise ZstdFrameError(f"not a zstd frame ({exc})") from exc
+    if exact is not None and size != exact:  # an unknown size (-1) is never the exact one
+        raise ZstdFrameError(f"zstd frame holds {size} bytes, header says {exact}")
     if size == zstandard.CONTENTSIZE_UNKNOWN:
         raise ZstdFrameError("zstd frame of unknown size; a sized frame is required")
-    if exact is not None and size != exact:
-        raise ZstdFrameError(f"zstd frame holds {size} bytes, header says {exact}")
     if limit is not None and size > limit:
         raise ZstdFrameError(f"zstd frame of {size} bytes; the limit is {limit}")
     try:
