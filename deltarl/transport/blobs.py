@@ -36,13 +36,9 @@ import xxhash
 import zmq
 import zmq.asyncio
 
-from deltarl.transport.control import (
-    DEFAULT_TIMEOUT,
-    FROM_ENV,
-    bind_endpoint,
-    check_endpoint,
-)
-from deltarl.transport.curve import CurveKeys, secure_client, secure_server
+from deltarl.transport.control import DEFAULT_TIMEOUT
+from deltarl.transport.curve import CurveKeys, secure_client
+from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +129,7 @@ class MemoryBlobs:
         return self.blobs.get(digest)
 
 
-class BlobServer:
+class BlobServer(RouterServer):
     """Stores and serves blobs on a ROUTER socket; one request at a time, in arrival order.
 
     Use as ``async with BlobServer(endpoint, store):`` (binds, then serves in a task until the
@@ -141,6 +137,8 @@ class BlobServer:
     holds the blob (the scheduler's store commits it first), so an answered digest survives a
     crash of the server.
     """
+
+    kind = "samples"
 
     def __init__(
         self,
@@ -152,74 +150,30 @@ class BlobServer:
         context: zmq.asyncio.Context | None = None,
         curve: CurveKeys | None = FROM_ENV,
     ) -> None:
-        self.name = name
+        super().__init__(
+            endpoint,
+            name=name,
+            # Up to twice the bound a frame is read and answered "too_large"; past that libzmq
+            # drops the connection unread (the client, which checks first, times out).
+            hard_cap_bytes=2 * max_frame_bytes + 4096,
+            context=context,
+            curve=curve,
+        )
         self.store: BlobStore = MemoryBlobs() if store is None else store
-        self._endpoint = check_endpoint(endpoint)
-        self._curve = CurveKeys.from_env() if curve is FROM_ENV else curve
         self._max_bytes = max_frame_bytes
-        self._context = context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._stopping = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def bind(self) -> str:
-        """Bind the ROUTER (once) and return the bound endpoint."""
-        if self._sock is not None:
-            return self._endpoint
-        sock = self._context.socket(zmq.ROUTER)
-        # Up to twice the bound a frame is read and answered "too_large"; past that libzmq
-        # drops the connection unread (the client, which checks first, times out).
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes + 4096)
-        sock.setsockopt(zmq.LINGER, 500)
-        secure_server(sock, self._endpoint, self._curve)
-        self._endpoint = bind_endpoint(sock, self._endpoint)
-        self._sock = sock
-        return self._endpoint
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    async def __aenter__(self) -> Self:
-        self.bind()
-        self._task = asyncio.create_task(self.serve(), name=f"blobs:{self.name}")
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-        if self._task is not None:
-            await self._task
 
     async def serve(self) -> None:
         """Answer puts and gets until ``stop()``; then close the socket."""
-        if self._sock is None:
-            self.bind()
-        sock = self._sock
-        if sock is None:  # for the type checker: bind() sets it or raises
-            raise RuntimeError(f"{self.name}: samples socket is not bound")
-        stopping = asyncio.ensure_future(self._stopping.wait())
         try:
-            while True:
-                receive = asyncio.ensure_future(sock.recv_multipart())
-                await asyncio.wait({receive, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not receive.done():
-                    receive.cancel()
-                    break
-                frames = receive.result()
+            async for frames in self.requests():
                 reply = self._answer(frames[1:])
-                await sock.send_multipart([frames[0], *reply])
+                await self._reply(frames[0], reply)
         finally:
-            stopping.cancel()
-            sock.close()
-            self._sock = None
+            self.close_socket()
+
+    async def _reply(self, identity: bytes, frames: list[bytes]) -> None:
+        if self._sock is not None:
+            await self._sock.send_multipart([identity, *frames])
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
         if len(frames) < 2 or len(frames[1]) != _ID.size:

@@ -20,7 +20,7 @@ from typing import Any, Self
 import zmq
 import zmq.asyncio
 
-from deltarl.transport.curve import CurveKeys, secure_client, secure_server
+from deltarl.transport.curve import CurveKeys, secure_client
 from deltarl.transport.messages import (
     COMMANDS,
     MAX_MESSAGE_BYTES,
@@ -37,18 +37,15 @@ from deltarl.transport.messages import (
     encode_request,
     peek_request_id,
 )
+from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("ipc://", "tcp://")
 DEFAULT_TIMEOUT = 5.0  # seconds a client waits for a reply unless told otherwise
 
 # A handler takes the command instance of the class it is registered for. The mapping from
 # class to handler is heterogeneous, which the type system cannot say, hence Any.
 Handler = Callable[[Any], Awaitable[Reply]]
-
-FROM_ENV: Any = object()
-"""``curve=FROM_ENV`` (the default): CURVE keys from ``DELTARL_CURVE_KEYS`` (see curve.py)."""
 
 
 class ControlTimeoutError(TimeoutError):
@@ -57,24 +54,6 @@ class ControlTimeoutError(TimeoutError):
 
 class ControlProtocolError(ConnectionError):
     """The peer answered with something that is not a valid reply, or the client went away."""
-
-
-def check_endpoint(endpoint: str) -> str:
-    """``endpoint`` if it is an ``ipc://`` or ``tcp://`` address, else a clear ValueError."""
-    if not endpoint.startswith(SCHEMES) or endpoint.endswith("://"):
-        raise ValueError(
-            f"bad control endpoint {endpoint!r}: expected ipc://PATH or tcp://HOST:PORT"
-        )
-    return endpoint
-
-
-def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:
-    """Bind and return the address actually bound (``tcp://127.0.0.1:*`` gets its port)."""
-    try:
-        sock.bind(check_endpoint(endpoint))
-    except zmq.ZMQError as e:
-        raise OSError(f"cannot bind {endpoint}: {e}") from e
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 @dataclass(frozen=True)
@@ -86,7 +65,7 @@ class _InFlight:
     tag: str
 
 
-class ControlServer:
+class ControlServer(RouterServer):
     """Answers typed commands on a ROUTER socket with the handler registered for each class.
 
     Use as ``async with ControlServer(endpoint, {GetStatus: on_status, ...}) as server:``
@@ -97,6 +76,8 @@ class ControlServer:
     answered ``busy`` at once rather than queued, so a flood cannot grow memory or make a
     ``status`` wait behind it. Replies never block: ROUTER drops a reply to a peer that is gone.
     """
+
+    kind = "control"
 
     def __init__(
         self,
@@ -112,9 +93,15 @@ class ControlServer:
         context: zmq.asyncio.Context | None = None,
         curve: CurveKeys | None = FROM_ENV,
     ) -> None:
-        self.name = name
-        self._curve = CurveKeys.from_env() if curve is FROM_ENV else curve
-        self._endpoint = check_endpoint(endpoint)
+        super().__init__(
+            endpoint,
+            name=name,
+            # Past this libzmq drops the connection without a word; below it, and above
+            # max_message_bytes, the server still parses nothing and answers "too_large".
+            hard_cap_bytes=16 * max_message_bytes,
+            context=context,
+            curve=curve,
+        )
         self._handlers = dict(handlers)
         # The decode table: the standard commands (so an unhandled one is "unsupported"
         # rather than "unknown") plus every class a handler is registered for.
@@ -126,50 +113,7 @@ class ControlServer:
         self._max_in_flight = max_in_flight
         self._default_timeout = default_timeout
         self._grace = grace
-        self._context = context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._stopping = asyncio.Event()
         self._running: dict[asyncio.Task[None], _InFlight] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def endpoint(self) -> str:
-        """The bound address once bound (with the real port), the configured one before."""
-        return self._endpoint
-
-    def bind(self) -> str:
-        """Bind the ROUTER (once; again is a no-op) and return the bound endpoint."""
-        if self._sock is not None:
-            return self._endpoint
-        sock = self._context.socket(zmq.ROUTER)
-        # The hard cap at which libzmq drops the connection without a word; below it, and
-        # above max_message_bytes, the server still parses nothing and answers "too_large".
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 * self._max_bytes)
-        # On close, give replies already queued a moment to leave (a shutdown's own "ok").
-        sock.setsockopt(zmq.LINGER, 500)
-        secure_server(sock, self._endpoint, self._curve)
-        self._endpoint = bind_endpoint(sock, self._endpoint)
-        self._sock = sock
-        return self._endpoint
-
-    def stop(self) -> None:
-        """Stop receiving; in-flight handlers finish (within ``grace``). Safe from a handler."""
-        self._stopping.set()
-
-    async def __aenter__(self) -> Self:
-        self.bind()
-        self._task = asyncio.create_task(self.serve(), name=f"control:{self.name}")
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-        if self._task is not None:
-            await self._task
 
     async def wait_stopped(self) -> None:
         """Return once the server has closed (after ``stop()`` or a failure)."""
@@ -196,28 +140,15 @@ class ControlServer:
         The server: BOUND -> SERVING -stop()-> DRAINING (nothing more is read; requests
         still queued are dropped with the socket and their clients time out) -> CLOSED.
         """
-        if self._sock is None:
-            self.bind()
-        sock = self._sock
-        if sock is None:  # for the type checker: bind() sets it or raises
-            raise RuntimeError(f"{self.name}: control socket is not bound")
-        stopping = asyncio.ensure_future(self._stopping.wait())
         try:
-            while True:
-                # 1) wait for a request or for stop()
-                receive = asyncio.ensure_future(sock.recv_multipart())
-                await asyncio.wait({receive, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not receive.done():
-                    receive.cancel()
-                    break
-                # 2) decode it and answer at once, or start its handler
-                await self._dispatch(receive.result())
+            # 1) wait for a request or for stop(); 2) decode it and answer at once, or start
+            # its handler
+            async for frames in self.requests():
+                await self._dispatch(frames)
         finally:
-            stopping.cancel()
             # 3) drain: running handlers finish or are cancelled and answered "stopping"
             await self._drain()
-            sock.close()
-            self._sock = None
+            self.close_socket()
 
     async def _dispatch(self, frames: list[bytes]) -> None:
         identity, payload = frames[0], frames[1:]

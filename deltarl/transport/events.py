@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 import zmq
 import zmq.asyncio
 
-from deltarl.transport.control import bind_endpoint, check_endpoint
 from deltarl.transport.messages import (
     EVENTS,
     MAX_MESSAGE_BYTES,
@@ -21,6 +20,7 @@ from deltarl.transport.messages import (
     decode_event,
     encode_event,
 )
+from deltarl.transport.router import bind_endpoint, check_endpoint
 
 logger = logging.getLogger(__name__)
 

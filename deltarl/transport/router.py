@@ -1,0 +1,138 @@
+"""What every server socket of the project shares: a ZeroMQ ROUTER, bound once, with CURVE.
+
+The control server (``control.py``: typed commands) and the samples server (``blobs.py``: raw
+frames) differ in what they read; they share the endpoint rules, the binding (with libzmq's hard
+frame cap, past which it drops a connection unread), CURVE on ``tcp://`` (``curve=FROM_ENV``:
+keys from ``DELTARL_CURVE_KEYS``, see curve.py), the receive loop that ends on ``stop()``, and
+``async with`` serving in a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, Self
+
+import zmq
+import zmq.asyncio
+
+from deltarl.transport.curve import CurveKeys, secure_server
+
+SCHEMES = ("ipc://", "tcp://")
+
+FROM_ENV: Any = object()
+"""``curve=FROM_ENV`` (the default): CURVE keys from ``DELTARL_CURVE_KEYS`` (see curve.py)."""
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is an ``ipc://`` or ``tcp://`` address, else a clear ValueError."""
+    if not endpoint.startswith(SCHEMES) or endpoint.endswith("://"):
+        raise ValueError(
+            f"bad control endpoint {endpoint!r}: expected ipc://PATH or tcp://HOST:PORT"
+        )
+    return endpoint
+
+
+def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:
+    """Bind and return the address actually bound (``tcp://127.0.0.1:*`` gets its port)."""
+    try:
+        sock.bind(check_endpoint(endpoint))
+    except zmq.ZMQError as e:
+        raise OSError(f"cannot bind {endpoint}: {e}") from e
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class RouterServer:
+    """A ROUTER server: ``bind``, ``serve`` (a subclass's), ``stop``; or ``async with``."""
+
+    kind = "server"
+    """For messages and task names: "control", "samples"."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str,
+        hard_cap_bytes: int,
+        context: zmq.asyncio.Context | None = None,
+        curve: CurveKeys | None = FROM_ENV,
+    ) -> None:
+        self.name = name
+        self._endpoint = check_endpoint(endpoint)
+        self._hard_cap = hard_cap_bytes
+        self._curve = CurveKeys.from_env() if curve is FROM_ENV else curve
+        self._context = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The bound address once bound (with the real port), the configured one before."""
+        return self._endpoint
+
+    def bind(self) -> str:
+        """Bind the ROUTER (once; again is a no-op) and return the bound endpoint."""
+        if self._sock is not None:
+            return self._endpoint
+        sock = self._context.socket(zmq.ROUTER)
+        # The hard cap at which libzmq drops the connection without a word; below it a
+        # server still answers an oversize request with an error of its own.
+        sock.setsockopt(zmq.MAXMSGSIZE, self._hard_cap)
+        # On close, give replies already queued a moment to leave (a shutdown's own "ok").
+        sock.setsockopt(zmq.LINGER, 500)
+        secure_server(sock, self._endpoint, self._curve)
+        self._endpoint = bind_endpoint(sock, self._endpoint)
+        self._sock = sock
+        return self._endpoint
+
+    def stop(self) -> None:
+        """Stop receiving (what a subclass does with work in flight is its own). Safe from a
+        handler."""
+        self._stopping.set()
+
+    async def requests(self) -> AsyncIterator[list[bytes]]:
+        """Each request's frames, until ``stop()``; the socket is closed when it ends."""
+        if self._sock is None:
+            self.bind()
+        sock = self._sock
+        if sock is None:  # for the type checker: bind() sets it or raises
+            raise RuntimeError(f"{self.name}: {self.kind} socket is not bound")
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            while True:
+                receive = asyncio.ensure_future(sock.recv_multipart())
+                await asyncio.wait({receive, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not receive.done():
+                    receive.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await receive
+                    return
+                yield receive.result()
+        finally:
+            stopping.cancel()
+
+    def close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def serve(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        self.bind()
+        self._task = asyncio.create_task(self.serve(), name=f"{self.kind}:{self.name}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        if self._task is not None:
+            await self._task
