@@ -282,19 +282,35 @@ def _model_class(engine: VllmEngine) -> type:
     return type(worker.model_runner.get_model())
 
 
+def _one_to_one(engine: VllmEngine, store: WeightStore) -> int:
+    """How many of the store's tensors the engine's model holds as a parameter of the same
+    name, shape and dtype (the uni executor runs the model in this process)."""
+    assert engine._engine is not None
+    worker = engine._engine.engine_core.engine_core.model_executor.driver_worker.worker  # type: ignore[attr-defined]
+    params = dict(worker.model_runner.get_model().named_parameters())
+    count = 0
+    with store.lease() as snap:
+        for spec in store.layout.tensors:
+            want = snap.tensor(spec.name)
+            param = params.get(spec.name)
+            count += param is not None and param.shape == want.shape and param.dtype == want.dtype
+    return count
+
+
 def test_update_reports_the_parameters_read_back_from_the_engine(
     engine: VllmEngine, store: WeightStore, base_weights: dict
 ) -> None:
     version = commit(store, perturbed(base_weights, seed=5, scale=0.05))
     report = engine.update_weights(store.name, store.path.parent, version, only_changed=False)
-    # embeddings, lm_head and the 9 norms keep their checkpoint name, shape and dtype on CPU;
-    # the fused and repacked linear layers (and float32 biases) cannot be read back
-    assert report["readback_tensors"] == 11
+    # Embeddings, lm_head and the 9 norms keep their checkpoint name, shape and dtype on CPU;
+    # fused layers cannot be read back, and which linear layers vLLM-CPU repacks depends on
+    # the CPU (oneDNN with AVX-512: all of them, 11 read back; without, more stay 1:1).
+    assert report["readback_tensors"] == _one_to_one(engine, store) >= 11
     assert report["tensors"] == report["total"] == len(store.layout)
     assert report["digest"] == store_digest(store)
     # nothing handed over: still every 1:1 parameter compared, the digest from memory
     again = engine.update_weights(store.name, store.path.parent, version)
-    assert (again["tensors"], again["readback_tensors"]) == (0, 11)
+    assert (again["tensors"], again["readback_tensors"]) == (0, report["readback_tensors"])
     assert again["digest"] == report["digest"]
 
 
