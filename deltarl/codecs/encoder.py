@@ -112,11 +112,16 @@ class DeltaEncoder:
         *,
         target_version: int,
         base_version: int | None = None,
+        first_chunk_id: int = 0,
     ) -> VersionEncoding:
         """Encode ``cur`` as a delta against ``ref`` (base_version), or in full if ref is None.
 
-        Both are flat uint8 buffers laid out by ``self.layout``; neither is modified.
+        Both are flat uint8 buffers laid out by ``self.layout``; neither is modified. Chunk
+        ids run from ``first_chunk_id`` up: a version sent again starts elsewhere, so links
+        that drop a chunk they delivered before (same version, id and bytes) deliver it.
         """
+        if not 0 <= first_chunk_id < 1 << 32:
+            raise ValueError(f"first_chunk_id must lie in [0, 2**32), got {first_chunk_id}")
         self._check_buffer("current", cur)
         if ref is None:
             if base_version is not None:
@@ -129,7 +134,7 @@ class DeltaEncoder:
                     f"got {base_version}"
                 )
         enc = VersionEncoding(iter(()))
-        enc._chunks = self._run(enc, cur, ref, target_version, base_version)
+        enc._chunks = self._run(enc, cur, ref, target_version, base_version, first_chunk_id)
         return enc
 
     # -- stages -----------------------------------------------------------------------------
@@ -141,6 +146,7 @@ class DeltaEncoder:
         ref: np.ndarray | None,
         target: int,
         base: int | None,
+        first_id: int = 0,
     ) -> Iterator[Chunk]:
         kind = KIND_FULL if ref is None else KIND_DELTA
         tallies = [TensorTally() for _ in self.layout.tensors]
@@ -151,7 +157,8 @@ class DeltaEncoder:
         def flush() -> Chunk:
             nonlocal pending, pending_bytes
             t0 = time.perf_counter()
-            chunk = pack_chunk(self._compressor, kind, base, target, len(entries), pending, tallies)
+            chunk_id = first_id + len(entries)
+            chunk = pack_chunk(self._compressor, kind, base, target, chunk_id, pending, tallies)
             enc.timings.pack_s += time.perf_counter() - t0
             entries.append(ChunkEntry(chunk.chunk_id, len(chunk.data), chunk.checksum))
             pending, pending_bytes = [], 0

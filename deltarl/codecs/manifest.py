@@ -92,6 +92,7 @@ class RefitManifest:
             raise ManifestError(f"manifest kind {m.kind!r} is neither delta nor full")
         if (m.kind == "full") != (m.base_version == NO_BASE):
             raise ManifestError(f"a {m.kind} manifest cannot have base version {m.base_version}")
-        if [c.id for c in m.chunks] != list(range(len(m.chunks))):
-            raise ManifestError("manifest chunk ids are not 0..n-1 in order")
+        first = m.chunks[0].id if m.chunks else 0
+        if [c.id for c in m.chunks] != list(range(first, first + len(m.chunks))):
+            raise ManifestError("manifest chunk ids are not consecutive and in order")
         return m

@@ -23,6 +23,21 @@ received, to further apply agents, and the state published is the whole tree's.
 No socket here: the process module (deltarl/daemons/apply.py) hands in the link's receiver,
 the relay, and the event publisher (through the daemon context).
 
+Nothing on the wire can take the agent down or change what it will accept later:
+
+- a chunk is checked whole (its length, its checksum) before it may open a version, so a
+  garbage chunk costs a hash, never a write transaction or a copy of the active buffer; it is
+  counted (``refused_items``) and fails only the version open now, which it names (that
+  version cannot complete without it);
+- a manifest is checked field by field (versions in range, the version above its base)
+  before it is used; a bad one is counted and changes nothing;
+- a failure is remembered with the base it was sent on, and only a send of the same version
+  on that base is ignored later: a version failed by one bad attempt (or by a forged one) is
+  accepted again when it is re-sent, in full or on another base;
+- a delta on a base the agent does not hold is refused and reported, and neither remembered
+  nor asking for a full version: the export agent sees from the receiver state that the
+  bases differ, and the same delta is valid once the agent holds its base.
+
 Invariant: at most one job (write transaction) is open, and it is touched only under
 ``_lock``, so a ``rollback`` never races a chunk being applied.
 
@@ -41,16 +56,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from deltarl.codecs.checksum import model_digest, tensor_digests
+from deltarl.codecs.checksum import chunk_checksum, model_digest, tensor_digests
 from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
-from deltarl.codecs.frame import KIND_FULL, NO_BASE, FrameError, FrameHeader
+from deltarl.codecs.frame import (
+    CHECKSUM_OFFSET,
+    HEADER_SIZE,
+    KIND_FULL,
+    NO_BASE,
+    FrameError,
+    FrameHeader,
+)
 from deltarl.codecs.manifest import ManifestError, RefitManifest
 from deltarl.config.refit import ApplyConfig
 from deltarl.engine.daemon import DaemonContext, DaemonCore
 from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
 from deltarl.refit.receiver_state import GetReceiverState, ReceiverState
 from deltarl.refit.relay import Relay
-from deltarl.transport.base import ChunkReceiver, ReceivedChunk, ReceivedManifest
+from deltarl.transport.base import MAX_VERSION, ChunkReceiver, ReceivedChunk, ReceivedManifest
 from deltarl.transport.control import Handler
 from deltarl.transport.messages import (
     Command,
@@ -66,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 KEEP_FINISHED = 64  # versions remembered as done, so their late duplicates are ignored
 KEEP_DIGESTS = 16  # applied versions whose model digest ``status`` reports
+KEEP_UNSOUND = 8  # versions whose refused chunk ids are remembered
 
 
 @dataclass
@@ -100,12 +123,18 @@ class ApplyCore(DaemonCore):
         self.relay = relay or Relay(())
         self.session = secrets.token_hex(8)
         self.job: _Job | None = None
-        self.finished: dict[int, str] = {}  # version -> "applied" | "failed"
+        # version -> ("applied", base) or ("failed", the base of the attempt that failed)
+        self.finished: dict[int, tuple[str, int | None]] = {}
         self.needs_full = store.active_version is None
         self.applied_state: dict[str, Any] = {}  # ReceiverState's applied_* figures
         self.failed_state: tuple[int, str] | None = None
+        self.failures = 0
         self.applied = 0
         self.refused = 0
+        self.refused_items = 0  # chunks and manifests refused before any use (counted, logged)
+        # version -> chunk id -> why it was refused: a version whose manifest lists one of
+        # them fails at once, instead of waiting for a chunk that is not coming
+        self.unsound: dict[int, dict[int, str]] = {}
         self.draining = False
         # version -> the manifest's whole-model digest, for the rollout daemon to check what its
         # engine loaded against what the trainer published (not just against this buffer).
@@ -144,6 +173,7 @@ class ApplyCore(DaemonCore):
             applying=None if self.job is None else self.job.version,
             failed_version=None if failed is None else failed[0],
             failed_reason="" if failed is None else failed[1],
+            failures=self.failures,
             **self.applied_state,
         )
 
@@ -172,26 +202,57 @@ class ApplyCore(DaemonCore):
                     # Relay first: the children start on a chunk while this agent applies it.
                     self.relay.forward(item)
                     async with self._lock:
-                        if isinstance(item, ReceivedChunk):
-                            await self._on_chunk(item)
-                        elif isinstance(item, ReceivedManifest):
-                            await self._on_manifest(item)
+                        await self._on_item(item)
         finally:
             announcing.cancel()
             await asyncio.wait({announcing})
 
+    async def _on_item(self, item: ReceivedChunk | ReceivedManifest) -> None:
+        """One received item. Whatever it holds, the agent goes on serving: a decoder that
+        gives up on it (``ValueError``, its ``FrameError``; ``MemoryError`` for a frame that
+        claims more than can be held) fails the version open for it, if any, and nothing else."""
+        try:
+            if isinstance(item, ReceivedChunk):
+                await self._on_chunk(item)
+            else:
+                await self._on_manifest(item)
+        except (ValueError, MemoryError, OverflowError) as e:
+            self.refused_items += 1
+            logger.warning("version %d: refused %s: %s", item.version, type(item).__name__, e)
+            if self.job is not None and self.job.version == item.version:
+                await self._fail(item.version, f"{type(e).__name__}: {e}")
+
+    def _unsound(self, chunk: ReceivedChunk) -> str | None:
+        """Why the chunk is not a whole frame with a matching checksum (None: it is)."""
+        buf = memoryview(chunk.data).cast("B")
+        try:
+            header = FrameHeader.parse(buf)
+        except FrameError as e:
+            return f"unreadable: {e}"
+        if len(buf) != HEADER_SIZE + header.body_len:
+            return f"{len(buf)} bytes, its header says {HEADER_SIZE + header.body_len}"
+        if chunk_checksum([buf[:CHECKSUM_OFFSET], buf[HEADER_SIZE:]]) != header.checksum:
+            return "checksum mismatch"
+        if header.target != chunk.version:
+            return f"labelled version {chunk.version} but its frame says {header.target}"
+        return None
+
     async def _on_chunk(self, chunk: ReceivedChunk) -> None:
         try:
-            try:
-                header = FrameHeader.parse(memoryview(chunk.data).cast("B"))
-            except FrameError as e:
-                # The transport's version label is all we have. Failing that version now
-                # (rather than waiting for the export agent's ack timeout) gets a full one sent
-                # at once; a version already done is left alone (a late, damaged duplicate).
-                logger.warning("unreadable chunk of version %d: %s", chunk.version, e)
-                if chunk.version not in self.finished:
-                    await self._fail(chunk.version, f"chunk {chunk.chunk_id} unreadable: {e}")
+            why = self._unsound(chunk)
+            if why is not None:
+                # Unverified: it may not open a version or mark one failed. Only the version
+                # open now, which cannot complete without this chunk, fails (a full one is
+                # sent at once instead of waiting for the export agent's ack timeout).
+                self.refused_items += 1
+                logger.warning("chunk %d of version %d %s", chunk.chunk_id, chunk.version, why)
+                self.unsound.setdefault(chunk.version, {})[chunk.chunk_id] = why
+                while len(self.unsound) > KEEP_UNSOUND:
+                    del self.unsound[min(self.unsound)]
+                if self.job is not None and self.job.version == chunk.version:
+                    await self._fail(chunk.version, f"chunk {chunk.chunk_id} {why}")
                 return
+            header = FrameHeader.parse(memoryview(chunk.data).cast("B"))
             base = None if header.kind == KIND_FULL else header.base
             job = await self._job_for(header.target, base)
             if job is None:
@@ -210,10 +271,13 @@ class ApplyCore(DaemonCore):
     async def _on_manifest(self, item: ReceivedManifest) -> None:
         try:
             manifest = RefitManifest.from_json(item.data)
-        except ManifestError as e:
+            base = None if manifest.base_version == NO_BASE else manifest.base_version
+            _check_versions(manifest.version, base, item.version)
+        except (ManifestError, ValueError) as e:
+            # Unverified and unusable: counted, and nothing changes (no version is failed).
+            self.refused_items += 1
             logger.warning("dropping a malformed manifest for version %d: %s", item.version, e)
             return
-        base = None if manifest.base_version == NO_BASE else manifest.base_version
         job = await self._job_for(manifest.version, base)
         if job is not None:
             job.manifest = manifest
@@ -232,8 +296,8 @@ class ApplyCore(DaemonCore):
             )
             self._end_job(abort=True)
             job = None
-        if version in self.finished or (job is not None and version < job.version):
-            return None  # a late duplicate, or a stale version: nothing to do
+        if self._ignored(version, base):
+            return None
         if job is not None:
             await self._fail(job.version, f"abandoned: version {version} started before it ended")
         if self.draining:
@@ -241,9 +305,12 @@ class ApplyCore(DaemonCore):
             return None
         active = self.store.active_version
         if base is not None and base != active:
-            # Contract 3: a delta applies only to its own base. Ask for a full version.
+            # Contract 3: a delta applies only to its own base. Reported (the export agent
+            # waiting for this version learns it at once), but it asks for nothing: the
+            # receiver state already shows the export agent which base this agent holds.
             self.refused += 1
-            await self._fail(version, f"delta on {base} refused: the active version is {active}")
+            reason = f"delta on {base} refused: the active version is {active}"
+            await self._fail(version, reason, needs_full=False, remember=False)
             return None
         opened = time.monotonic()
         try:
@@ -251,7 +318,7 @@ class ApplyCore(DaemonCore):
         except LeaseTimeout as e:
             # Tolerated: a reader kept the inactive buffer (or another writer the lock); this
             # version is lost, the active one stays, and the export agent sends a full one.
-            await self._fail(version, str(e))
+            await self._fail(version, str(e), base=base)
             return None
         if base is not None and txn.base_version != base:
             # The target buffer holds an older version: start it from the active one.
@@ -270,11 +337,33 @@ class ApplyCore(DaemonCore):
         self.job = None
         self._job_done.set()
 
+    def _ignored(self, version: int, base: int | None) -> bool:
+        """A late duplicate (of an applied version the store holds or has moved past, or of
+        the attempt that failed), or a version older than the one open: nothing to do.
+
+        A version applied and then rolled back from is above the active one: a re-send of it
+        (``resync``) is accepted."""
+        done = self.finished.get(version)
+        active = self.store.active_version
+        if done is not None and done[0] == "applied" and active is not None and version <= active:
+            return True
+        if done is not None and done[0] == "failed" and done[1] == base:
+            return True
+        return self.job is not None and version < self.job.version
+
     async def _maybe_finish(self) -> None:
         job = self.job
         if job is None or job.manifest is None:
             return
-        if not {c.id for c in job.manifest.chunks} <= set(job.apply.applied):
+        missing = {c.id for c in job.manifest.chunks} - set(job.apply.applied)
+        damaged = sorted(missing & set(self.unsound.get(job.version, {})))
+        if damaged:
+            # The manifest (which came with this version's sound chunks) lists a chunk that
+            # arrived damaged: it is not coming again, so the version cannot complete.
+            why = self.unsound[job.version][damaged[0]]
+            await self._fail(job.version, f"chunk {damaged[0]} {why}")
+            return
+        if missing:
             return  # chunks still to come
         t_verify = time.monotonic()
         try:
@@ -286,12 +375,16 @@ class ApplyCore(DaemonCore):
         # A full version is authoritative: it may replace a newer one (after a rollback).
         # With the manifest's model digest: the rollout daemon proves what its engine loaded
         # against it under its own lease.
-        job.txn.commit(
-            job.version, allow_older=job.base is None, digest=job.manifest.model_xxh3_128
-        )
+        try:
+            job.txn.commit(
+                job.version, allow_older=job.base is None, digest=job.manifest.model_xxh3_128
+            )
+        except ValueError as e:  # checked on arrival; a commit must still never crash the agent
+            await self._fail(job.version, f"cannot commit: {e}")
+            return
         t_done = time.monotonic()
         self._end_job(abort=False)
-        self._finish(job.version, "applied")
+        self._finish(job.version, "applied", job.base)
         if job.base is None:
             self.needs_full = False
         self.applied += 1
@@ -313,19 +406,35 @@ class ApplyCore(DaemonCore):
         self._changed.set()
         await self.context.publish(VersionApplied(job.version, job.base, seconds))
 
-    async def _fail(self, version: int, reason: str) -> None:
-        """``version`` is not applied; the active version stays. Abort its job if open."""
+    async def _fail(
+        self,
+        version: int,
+        reason: str,
+        *,
+        base: int | None = None,
+        needs_full: bool = True,
+        remember: bool = True,
+    ) -> None:
+        """``version`` is not applied; the active version stays. Abort its job if open.
+
+        ``base``: of the attempt that failed (the open job's, if there is one); with
+        ``remember``, that attempt's late chunks are ignored (a re-send of the version on
+        another base is not). A refused delta is not remembered: once the agent holds its
+        base, the same delta is valid."""
         if self.job is not None and self.job.version == version:
+            base = self.job.base
             self._end_job(abort=True)
-        self._finish(version, "failed")
-        self.needs_full = True
+        if remember:
+            self._finish(version, "failed", base)
+        self.needs_full = self.needs_full or needs_full
         self.failed_state = (version, reason)
+        self.failures += 1
         logger.warning("version %d not applied: %s", version, reason)
         self._changed.set()
         await self.context.publish(RefitFailed(version, reason))
 
-    def _finish(self, version: int, how: str) -> None:
-        self.finished[version] = how
+    def _finish(self, version: int, how: str, base: int | None) -> None:
+        self.finished[version] = (how, base)
         while len(self.finished) > KEEP_FINISHED:
             del self.finished[min(self.finished)]
 
@@ -365,6 +474,7 @@ class ApplyCore(DaemonCore):
             "last_failed": None if failed is None else {"version": failed[0], "reason": failed[1]},
             "applied": self.applied,
             "refused": self.refused,
+            "refused_items": self.refused_items,
             "store": self.config.rollout_store,
             "digests": {str(v): d for v, d in self.digests.items()},
         }
@@ -402,3 +512,14 @@ class ApplyCore(DaemonCore):
                     "rollback to %d asked, %d was the one kept", command.version, previous
                 )
             return Ok(f"rolled back to version {previous}")
+
+
+def _check_versions(version: int, base: int | None, label: int) -> None:
+    """ValueError unless a manifest's versions can be applied: in range, the version above its
+    base, and the version the transport delivered it as."""
+    if not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version {version} is outside [0, 2**63)")
+    if base is not None and not 0 <= base < version:
+        raise ValueError(f"base {base} is not a version below {version}")
+    if version != label:
+        raise ValueError(f"delivered as version {label} but it says {version}")

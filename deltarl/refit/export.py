@@ -25,6 +25,11 @@ The reference and its acknowledgement (docs/architecture.md, "Why it pays: the r
 Invariant: the reference advances only on an acknowledgement from the same receiver session,
 so every delta is built on bytes the receiver was seen holding.
 
+After a failure the newest published version is sent again (in full: the reference is gone),
+after a back-off that doubles from ``RETRY_S`` to ``RETRY_MAX_S``, until one is acknowledged:
+a trainer that publishes nothing newer (paused, finished, or waiting for samples that need
+the new weights) must not leave the receivers one version behind for good.
+
 Drain: no new version is taken; the one in flight is sent and its acknowledgement awaited.
 """
 
@@ -56,6 +61,10 @@ from deltarl.transport.messages import Command, Ok, RefitFailed, Resync, Version
 logger = logging.getLogger(__name__)
 
 RECENT = 64
+RETRY_S = 0.5  # the first back-off before a failed version is sent again
+RETRY_MAX_S = 10.0
+CHUNKS_PER_SEND = 1 << 20  # chunk ids of one send of a version: 16 TiB of 16 MiB chunks
+SEND_SLOTS = 1 << 12  # CHUNKS_PER_SEND * SEND_SLOTS = 2**32, the frame's chunk id range
 
 
 async def put_unless_done(
@@ -140,6 +149,12 @@ class ExportCore(DaemonCore):
         self.sent = 0
         self.failed = 0
         self.republished = 0  # older versions published again, not sent (_republished)
+        self.retries = 0  # versions sent again (after a failure, a resync, a restart)
+        # version -> how often it was sent: a version sent again numbers its chunks from
+        # elsewhere, or a link that delivered them before would drop them as duplicates
+        self._sends: dict[int, int] = {}
+        self.retry_at: float | None = None  # when the last failed version goes again
+        self._backoff = RETRY_S
         # The last RECENT records: `deltarl up` reads every refit's figures from here even
         # when versions come faster than it polls.
         self.recent: deque[RefitRecord] = deque(maxlen=RECENT)
@@ -152,20 +167,28 @@ class ExportCore(DaemonCore):
         self.encoder = DeltaEncoder(self.store.layout, chunk_bytes=cfg.chunk_bytes)
         async with self.sender:
             while not self.draining:
-                # 1) a new published version? 2) a receiver to send it to? 3) ship it
+                # 1) a version to send (a new one, or the newest again)? 2) a receiver to send
+                # it to? 3) ship it
                 published = self.store.active_version
-                if self.gate.paused or published is None or published == self.taken:
+                receiver = self.feed.latest()
+                again = None if published != self.taken else self._again(receiver)
+                if self.gate.paused or published is None or (published == self.taken and not again):
                     self.detail = "paused" if self.gate.paused else "idle"
+                    if self.retry_at is not None and not self.gate.paused:
+                        self.detail = "waiting to send the newest version again"
                     await asyncio.sleep(cfg.poll_s)
                     continue
-                receiver = self.feed.latest()
                 if receiver is None:
                     self.detail = "waiting for the apply agent"
                     await self.feed.next(cfg.poll_s)
                     continue
-                if self._republished(published, receiver):
+                if not again and self._republished(published, receiver):
                     self.taken = published
                     continue
+                if again:
+                    self.retries += 1
+                    logger.info("version %d: sending it again (%s)", published, again)
+                self.retry_at = None
                 self.shipping = True
                 self._idle.clear()
                 try:
@@ -187,6 +210,27 @@ class ExportCore(DaemonCore):
             snap.release()  # idempotent: _ship releases it as soon as it can
             if current is not None and self.ref.buffer is not current:
                 self._spare = current  # not adopted as the reference: reuse its memory
+
+    def _again(self, receiver: ReceiverState | None) -> str | None:
+        """Why the version already taken must be sent again (None: it need not).
+
+        Only to a receiver that does not hold it, and never before the back-off of the last
+        failure has passed, so a version that keeps failing is not sent in a loop. A rollback
+        on the apply agent alone is not a reason: that is an operator's choice, which the next
+        new version (or ``resync``) ends.
+        """
+        if self.retry_at is not None and time.monotonic() < self.retry_at:
+            return None
+        if self.retry_at is not None:
+            return "after its failure"
+        if receiver is None or receiver.active_version == self.taken:
+            return None  # it holds the newest version: nothing to send again
+        reasons = {
+            "the apply agent asked for a full version": receiver.needs_full,
+            "resync command": self.resync_pending,
+            "the apply agent restarted": self.ref.session not in (None, receiver.session),
+        }
+        return next((why for why, holds in reasons.items() if holds), None)
 
     def _republished(self, version: int, receiver: ReceiverState) -> bool:
         """Whether ``version`` is an older version published again, which is not sent.
@@ -280,8 +324,16 @@ class ExportCore(DaemonCore):
             await asyncio.to_thread(np.copyto, current, snap.buffer)
             snap.release()
         source = current if reason else snap.buffer
+        sends = self._sends.get(version, 0)
+        self._sends[version] = sends + 1
+        while len(self._sends) > RECENT:
+            del self._sends[min(self._sends)]
         encoding = self.encoder.encode(
-            source, None if reason else self.ref.buffer, target_version=version, base_version=base
+            source,
+            None if reason else self.ref.buffer,
+            target_version=version,
+            base_version=base,
+            first_chunk_id=(sends % SEND_SLOTS) * CHUNKS_PER_SEND,
         )
         chunks = iter(encoding)
         # Encoded chunks wait here for the link. For a delta the queue is unbounded, so the
@@ -337,7 +389,7 @@ class ExportCore(DaemonCore):
         self.sent += 1
         await self.context.publish(VersionPublished(version, base, nbytes))
         self.detail = f"waiting for the apply agent to activate {version}"
-        outcome, acked_by = await self._await_ack(version, session)
+        outcome, acked_by = await self._await_ack(version, session, receiver.failures)
         acked_at = time.monotonic()
         record = RefitRecord(
             version=version,
@@ -362,6 +414,7 @@ class ExportCore(DaemonCore):
         if recorded:
             self._mark(version, State.VERIFIED)
             self._mark(version, State.ACTIVE)
+        self._backoff = RETRY_S
         old = self.ref.buffer
         self.ref.buffer, self.ref.version, self.ref.session = current, version, session
         if old is not None:
@@ -372,10 +425,11 @@ class ExportCore(DaemonCore):
         )
 
     async def _await_ack(
-        self, version: int, session: str
+        self, version: int, session: str, failures: int
     ) -> tuple[str | None, ReceiverState | None]:
         """(None, the acknowledging state) once the receiver reports ``version`` active,
-        else (why it did not, the last state heard)."""
+        else (why it did not, the last state heard). Only a failure reported after the send
+        began (``failures``: the receiver's count then) fails it."""
         deadline = time.monotonic() + self.config.ack_timeout_s
         state = self.feed.latest()
         while True:
@@ -384,7 +438,7 @@ class ExportCore(DaemonCore):
                     return "the apply agent restarted before acknowledging", state
                 if state.active_version == version:
                     return None, state
-                if state.failed(version):
+                if state.failed(version, after=failures):
                     return f"the apply agent refused it: {state.failed_reason}", state
             left = deadline - time.monotonic()
             if left <= 0:
@@ -392,9 +446,12 @@ class ExportCore(DaemonCore):
             state = await self.feed.next(left)
 
     async def _failed(self, version: int, reason: str, *, recorded: bool) -> None:
-        # Drop the reference: the receiver's state is unknown, so the next version is full.
+        # Drop the reference: the receiver's state is unknown, so the next version is full;
+        # and send the newest version again after a back-off, whether or not a newer comes.
         self.ref.drop()
         self.failed += 1
+        self.retry_at = time.monotonic() + self._backoff
+        self._backoff = min(2 * self._backoff, RETRY_MAX_S)
         logger.warning("version %d failed: %s", version, reason)
         if recorded:
             self._mark(version, State.FAILED, error=reason)
@@ -402,7 +459,8 @@ class ExportCore(DaemonCore):
 
     def _record(self, manifest: RefitManifest) -> bool:
         try:
-            self.manifests.record(manifest)
+            # A version sent again after its failure replaces its failed record.
+            self.manifests.record(manifest, again=True)
         except ManifestStoreError as e:
             # Tolerated: the record is for operators; a version the store already holds (a
             # restarted trainer reusing numbers) is still delivered, just not recorded twice.
@@ -440,6 +498,7 @@ class ExportCore(DaemonCore):
             "sent": self.sent,
             "failed": self.failed,
             "republished": self.republished,
+            "retries": self.retries,
             "receiver_age_s": round(min(self.feed.age_s, 1e9), 3),
             "last": recent[-1] if recent else None,
             "recent": recent,
@@ -450,6 +509,8 @@ class ExportCore(DaemonCore):
         return {Resync: self.on_resync}
 
     async def on_resync(self, _: Resync) -> Ok:
+        # The next version is full; and a receiver that does not hold the newest version
+        # (rolled back, restarted) gets it again now, in full, whether or not a newer comes.
         self.resync_pending = True
         return Ok("the next version is sent in full")
 

@@ -22,9 +22,11 @@ The state machine (seed 004, step 4: pending -> uploaded -> verified -> active, 
 - ``active`` is left only by being superseded, never by failing: the live version is the
   receivers' base, so it cannot be declared bad without naming its replacement (activate a
   good version, then fail the superseded one).
-- ``failed`` is final. Failing a version also fails every not-yet-active delta built on it,
-  transitively: a delta on a failed base is built on weights no receiver holds, the silent
-  drift seed 004 calls the most dangerous failure of the whole link.
+- ``failed`` is final for that send. Failing a version also fails every not-yet-active delta
+  built on it, transitively: a delta on a failed base is built on weights no receiver holds,
+  the silent drift of a delta chain that is the most dangerous failure of the whole link. The
+  export agent sends a failed version again (in full); that send is recorded in place of the
+  failed row (``record(..., again=True)``), while the deltas failed with it stay failed.
 
 Invariants, kept by the schema itself where sqlite can (CHECK constraints and a partial
 unique index) and by the transactions below where it cannot:
@@ -179,10 +181,11 @@ class ManifestStore(SqliteStore):
 
     # -- writes --------------------------------------------------------------------------
 
-    def record(self, manifest: RefitManifest) -> VersionRecord:
+    def record(self, manifest: RefitManifest, *, again: bool = False) -> VersionRecord:
         """Record a newly built version in state ``pending``.
 
-        Raises ``DuplicateVersionError`` if the version is recorded already, and
+        Raises ``DuplicateVersionError`` if the version is recorded already (with ``again``:
+        unless its record is ``failed``, which the new send replaces), and
         ``ManifestStoreError`` if it is malformed or a delta on a base that is unknown or
         failed (I3): a receiver can only hold a base that was recorded and did not fail.
         """
@@ -204,8 +207,13 @@ class ManifestStore(SqliteStore):
             )
         now = self.clock()
         with self._lock, self._write() as conn:
-            if conn.execute("SELECT 1 FROM versions WHERE version = ?", (m.version,)).fetchone():
+            old = conn.execute(
+                "SELECT state FROM versions WHERE version = ?", (m.version,)
+            ).fetchone()
+            if old is not None and not (again and old[0] == State.FAILED):
                 raise DuplicateVersionError(f"version {m.version} is recorded already")
+            if old is not None:
+                conn.execute("DELETE FROM versions WHERE version = ?", (m.version,))
             if m.kind == "delta":
                 base = conn.execute(
                     "SELECT state FROM versions WHERE version = ?", (m.base_version,)

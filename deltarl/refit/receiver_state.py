@@ -50,6 +50,10 @@ class ReceiverState(Event, Reply):
     applying: int | None = None
     failed_version: int | None = None
     failed_reason: str = ""
+    failures: int = 0
+    """Failures reported since the session began: a failure of a version counts for a send
+    only if it came after the send began (a version sent again must not be failed by the
+    report of its earlier attempt)."""
     applied_version: int | None = None
     applied_base: int | None = None
     started_at: float = 0.0
@@ -63,8 +67,9 @@ class ReceiverState(Event, Reply):
     members: dict[str, Any] = field(default_factory=dict)
     """A relay root's children, by label: reachable, active_version, relay counters."""
 
-    def failed(self, version: int) -> bool:
-        return self.failed_version == version
+    def failed(self, version: int, after: int = -1) -> bool:
+        """Whether ``version`` is reported failed, by a failure newer than ``after``."""
+        return self.failed_version == version and self.failures > after
 
 
 RECEIVER_STATE = decode_table(ReceiverState)

@@ -190,7 +190,9 @@ class Relay:
         needs_full = own.needs_full
         failures: list[tuple[int | None, str]] = [(own.failed_version, own.failed_reason)]
         members: dict[str, Any] = {}
+        count = own.failures
         for child in self.children:
+            count += child.dropped_versions
             label = child.target.label
             if child.last_failed is not None:
                 failures.append(child.last_failed)
@@ -200,6 +202,7 @@ class Relay:
                 sessions.append(f"{label}:?")
                 continue
             sessions.append(f"{label}:{st.session}")
+            count += st.failures
             if st.active_version != own.active_version:
                 active = None
             needs_full = needs_full or st.needs_full
@@ -214,6 +217,7 @@ class Relay:
             needs_full=needs_full,
             failed_version=newest[0],
             failed_reason=newest[1],
+            failures=count,
             members=members,
         )
 

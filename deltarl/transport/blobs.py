@@ -165,7 +165,7 @@ class BlobServer(RouterServer):
     async def serve(self) -> None:
         """Answer puts and gets until ``stop()``; then close the socket."""
         try:
-            async for frames in self.requests():
+            async for frames, _ in self.requests():
                 reply = self._answer(frames[1:])
                 await self._reply(frames[0], reply)
         finally:

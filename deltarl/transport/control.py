@@ -42,6 +42,8 @@ from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 5.0  # seconds a client waits for a reply unless told otherwise
+AUDITED = frozenset({"shutdown", "drain", "rollback", "resync", "pause", "resume"})
+"""Command tags logged with their sender whenever a server receives them."""
 
 # A handler takes the command instance of the class it is registered for. The mapping from
 # class to handler is heterogeneous, which the type system cannot say, hence Any.
@@ -143,23 +145,26 @@ class ControlServer(RouterServer):
         try:
             # 1) wait for a request or for stop(); 2) decode it and answer at once, or start
             # its handler
-            async for frames in self.requests():
-                await self._dispatch(frames)
+            async for frames, peer in self.requests():
+                await self._dispatch(frames, peer)
         finally:
             # 3) drain: running handlers finish or are cancelled and answered "stopping"
             await self._drain()
             self.close_socket()
 
-    async def _dispatch(self, frames: list[bytes]) -> None:
+    async def _dispatch(self, frames: list[bytes], peer: str = "") -> None:
         identity, payload = frames[0], frames[1:]
         request_id = peek_request_id(payload)
         try:
             request = decode_request(payload, self._commands, self._max_bytes)
         except MessageError as e:
-            logger.warning("%s: bad request from peer %s: %s", self.name, identity.hex(), e)
+            logger.warning("%s: bad request from %s (%s): %s", self.name, peer, identity.hex(), e)
             await self._reply(identity, request_id, Error(e.code, e.message))
             return
         tag = request.command.TAG
+        if tag in AUDITED:
+            # Commands that change what a daemon does: always in its log, with who asked.
+            logger.info("%s: %r asked by %s (%s)", self.name, tag, peer, identity.hex())
         handler = self._handlers.get(type(request.command))
         if handler is None:
             handled = ", ".join(sorted(cls.TAG for cls in self._handlers))

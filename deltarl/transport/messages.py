@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import struct
 import types
 import typing
@@ -267,7 +268,7 @@ def from_body(cls: type[M], body: object) -> M:
             ErrorCode.BAD_ENVELOPE, f"{cls.TAG!r}: body must be an object, got {_kind(body)}"
         )
     hints = _hints(cls)
-    problems = [f"unexpected field {name!r}" for name in body if name not in hints]
+    problems = [f"unexpected field {_clip(name)}" for name in body if name not in hints]
     for f in dataclasses.fields(cls):
         if f.name not in body:
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -299,10 +300,30 @@ def encode_body(message: Message, **extra: object) -> bytes:
     return orjson.dumps({"type": message.TAG, **extra, "body": message})
 
 
+def _clip(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error never echoes a whole field."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise MessageError(ErrorCode.BAD_JSON, f"duplicate keys {_clip(dup)}")
+    return dict(pairs)
+
+
 def _load_envelope(raw: bytes) -> dict[str, Any]:
     try:
         envelope = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
+        # orjson keeps the last of duplicate keys; a message such as {"type": "status", ...,
+        # "type": "shutdown"} would then say one thing to a reader and do another. The
+        # standard parser with a hook refuses them (control messages are small, so the
+        # second parse costs microseconds).
+        if isinstance(envelope, dict):
+            json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (orjson.JSONDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MessageError(ErrorCode.BAD_JSON, f"body is not valid JSON: {e}") from None
     if not isinstance(envelope, dict):
         raise MessageError(ErrorCode.BAD_JSON, f"body must be a JSON object, got {_kind(envelope)}")
@@ -328,7 +349,9 @@ def _decode_envelope(
     cls = table.get(tag)
     if cls is None:
         known = ", ".join(sorted(table))
-        raise MessageError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {tag!r}; known: {known}")
+        raise MessageError(
+            ErrorCode.UNKNOWN_TYPE, f"unknown message type {_clip(tag)}; known: {known}"
+        )
     return from_body(cls, envelope.get("body", {}))
 
 

@@ -93,8 +93,8 @@ class RouterServer:
         handler."""
         self._stopping.set()
 
-    async def requests(self) -> AsyncIterator[list[bytes]]:
-        """Each request's frames, until ``stop()``; the socket is closed when it ends."""
+    async def requests(self) -> AsyncIterator[tuple[list[bytes], str]]:
+        """Each request's frames and who sent it (``peer``), until ``stop()``."""
         if self._sock is None:
             self.bind()
         sock = self._sock
@@ -103,16 +103,26 @@ class RouterServer:
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             while True:
-                receive = asyncio.ensure_future(sock.recv_multipart())
+                receive = asyncio.ensure_future(sock.recv_multipart(copy=False))
                 await asyncio.wait({receive, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if not receive.done():
                     receive.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await receive
                     return
-                yield receive.result()
+                frames = receive.result()
+                yield [f.bytes for f in frames], self._peer(frames[-1])
         finally:
             stopping.cancel()
+
+    def _peer(self, frame: zmq.Frame) -> str:
+        """Who sent a request, for the log: the CURVE key the authenticator accepted (its
+        first 12 characters), or how the socket is reached when there is none."""
+        with contextlib.suppress(zmq.ZMQError, KeyError, UnicodeDecodeError):
+            user = frame.get("User-Id")
+            if user:
+                return f"key {str(user)[:12]}"
+        return "a local peer" if self._endpoint.startswith("ipc://") else "an unauthenticated peer"
 
     def close_socket(self) -> None:
         if self._sock is not None:

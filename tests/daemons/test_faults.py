@@ -137,14 +137,11 @@ def test_corrupt_chunk_is_refused_and_the_pipeline_recovers(tmp_path: Path) -> N
         pipe.wait(
             f"a version after {bad} active", lambda: pipe.status("apply")["active_version"] > bad
         )
-        finish(pipe, reader)
-        with ManifestStore(tmp_path / "versions.sqlite", readonly=True) as ms:
-            record = ms.get(bad)
-            assert record is not None
-            assert record.state == State.FAILED, record
-        assert bad not in reader.result()["versions"]  # never active, so never leased
-        later = activated_after(tmp_path, bad)
-        assert later[0].kind == "full", later  # the reference was dropped
+        finish(pipe, reader)  # bit-exact, and no reader ever saw bytes unlike their manifest
+        # The damaged send never became active; what came next (the same version sent again,
+        # or a newer one if the trainer was quicker) came in full: the reference was dropped.
+        later = activated_after(tmp_path, bad - 1)
+        assert later[0].kind == "full", later
 
 
 @pytest.mark.timeout(90)

@@ -11,6 +11,7 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.config.refit import ApplyConfig
@@ -100,10 +101,11 @@ def test_apply_core_refuses_what_it_cannot_apply_and_says_so(tmp_path: Path) -> 
         )
         assert st.committed_at >= st.started_at > 0
         assert [e.version for e in context.events if isinstance(e, VersionApplied)] == [0, 1]
-        # a delta on a version the store does not hold is refused, and asks for a full one
+        # a delta on a version the store does not hold is refused and reported; it asks for
+        # nothing more (the receiver state shows the export agent which base is held)
         await tx.send(core, 3, *tx.encoded(3, 2))
         st = core.receiver_state()
-        assert (st.active_version, st.needs_full, st.failed_version) == (1, True, 3)
+        assert (st.active_version, st.needs_full, st.failed_version) == (1, False, 3)
         assert "refused" in st.failed_reason
         assert any(isinstance(e, RefitFailed) and e.version == 3 for e in context.events)
         # chunks that disagree with their manifest never become active
@@ -114,8 +116,8 @@ def test_apply_core_refuses_what_it_cannot_apply_and_says_so(tmp_path: Path) -> 
             1,
             2,
         )
-        # a full version clears needs_full; rollback flips back to the version kept
-        core.finished.pop(3)
+        # a full version clears needs_full (version 3 failed as a delta on 2: re-sent in full,
+        # it is accepted); rollback flips back to the version kept
         await tx.send(core, 3, *tx.encoded(3, None))
         st = core.receiver_state()
         assert (st.active_version, st.needs_full) == (3, False)
@@ -195,6 +197,59 @@ def test_drain_finishes_the_version_in_flight_and_opens_no_other(tmp_path: Path)
         await core._on_chunk(ReceivedChunk(2, 0, tx.encoded(2, 1)[0][0]))
         assert core.job is None
         assert store.active_version == 1
+        await core.close()
+
+    asyncio.run(scenario())
+
+
+def _manifest_with(manifest: bytes, **fields: object) -> bytes:
+    obj = orjson.loads(manifest)
+    obj.update(fields)
+    return orjson.dumps(obj)
+
+
+def test_nothing_on_the_wire_takes_the_agent_down_or_blocks_a_later_version(
+    tmp_path: Path,
+) -> None:
+    layout, vs = _versions(4)
+    tx = Sender(layout, vs)
+
+    async def scenario() -> None:
+        core, context, store = _core(tmp_path, layout)
+        await tx.send(core, 0, *tx.encoded(0, None))
+        chunks, manifest = tx.encoded(1, 0)
+        # Manifests that would crash a commit or lie about their versions: refused, counted,
+        # and nothing changes (no version is failed, no job opened).
+        for bad in (
+            _manifest_with(manifest, version=2**63),
+            _manifest_with(manifest, base_version=1),  # not below its version
+            _manifest_with(manifest, version=5),  # not the version it was delivered as
+        ):
+            await core._on_item(ReceivedManifest(1, bad))
+        # Garbage chunks for versions not sent yet, and a chunk whose checksum does not hold:
+        # no job is opened (no write transaction, no copy of the active buffer), none of
+        # those versions is marked failed.
+        await core._on_item(ReceivedChunk(2, 0, b"\x00not a frame" * 10))
+        await core._on_item(ReceivedChunk(3, 0, b"DRLD" + b"\xff" * 200))
+        broken = bytearray(chunks[0])
+        broken[-1] ^= 1
+        await core._on_item(ReceivedChunk(1, 0, bytes(broken)))
+        assert core.job is None
+        assert core.finished == {0: ("applied", None)}
+        assert core.refused_items == 6
+        assert core.receiver_state().failed_version is None
+        # A well-formed delta for version 2 on a base the agent does not hold: refused once.
+        wrong_chunks, _ = tx.encoded(2, 1)
+        await core._on_item(ReceivedChunk(2, 0, wrong_chunks[0]))
+        assert core.receiver_state().failed_version == 2
+        # The real versions still go through, each on the version the agent holds.
+        await tx.send(core, 1, chunks, manifest)
+        await tx.send(core, 2, *tx.encoded(2, 1))
+        await tx.send(core, 3, *tx.encoded(3, 2))
+        assert store.active_version == 3
+        with store.lease() as snap:
+            assert np.array_equal(snap.buffer, vs[3])
+        assert not any(isinstance(e, RefitFailed) and e.version in (1, 3) for e in context.events)
         await core.close()
 
     asyncio.run(scenario())

@@ -27,7 +27,7 @@ from deltarl.refit.receiver_state import ReceiverState, StateFeed
 from deltarl.sim.realistic_deltas import RealisticDeltas
 from deltarl.transport.base import make_receiver, make_sender
 from deltarl.transport.link_config import ShmLinkConfig
-from deltarl.transport.messages import Event, Resync
+from deltarl.transport.messages import Event, Ok, Resync, Rollback
 
 PARAMS = 200_000
 
@@ -232,3 +232,61 @@ def test_put_returns_false_when_the_consumer_dies_on_a_full_queue() -> None:
     ok, ok2 = asyncio.run(scenario())
     assert ok is False
     assert ok2 is True
+
+
+def test_a_failed_version_is_sent_again_though_nothing_newer_is_published(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            await p.active(p.publish())
+            version = p.publish()
+            async with asyncio.timeout(10):
+                while not p.export.shipping:  # noqa: ASYNC110 - a flag of the core
+                    await asyncio.sleep(0.001)
+            # The fault: the receiver restarts while the version is on its way (the state
+            # heard next has another session), so this version fails; the trainer then
+            # publishes nothing newer.
+            p.apply.session = "restarted"
+            await p.active(version)  # sent again, in full, and acknowledged
+            failed, again = list(p.export.recent)[-2:]
+            assert failed.version == again.version == version
+            assert "restarted" in failed.outcome
+            assert (again.kind, again.outcome) == ("full", "active")
+            assert p.export.retries == 1
+
+    asyncio.run(scenario())
+
+
+def test_resync_and_a_restarted_receiver_get_the_newest_version_again(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            await p.active(p.publish())
+            version = p.publish()
+            await p.active(version)
+            # a rollback on the receiver is left alone (an operator's choice) ...
+            assert await p.apply.on_rollback(Rollback()) == Ok(
+                f"rolled back to version {version - 1}"
+            )
+            p.feed.update(p.apply.receiver_state())
+            await asyncio.sleep(0.3)
+            assert p.rollout.active_version == version - 1
+            # ... until `resync`: the newest version goes again, in full, though nothing newer
+            # is published
+            sent = len(p.export.recent)
+            await p.export.on_resync(Resync())
+            await p.active(version)
+            async with asyncio.timeout(30):  # the flip comes before the export agent's record
+                while len(p.export.recent) == sent:  # noqa: ASYNC110 - a core's state
+                    await asyncio.sleep(0.01)
+            assert (p.export.recent[-1].version, p.export.recent[-1].kind) == (version, "full"), [
+                (r.version, r.base, r.kind, r.outcome) for r in p.export.recent
+            ]
+            # a receiver that restarted holding an older version is brought up to date too
+            await p.apply.on_rollback(Rollback())
+            p.apply.session = "restarted"
+            p.feed.update(p.apply.receiver_state())
+            await p.active(version)
+            assert p.export.ref.session == "restarted"
+
+    asyncio.run(scenario())

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import orjson
@@ -23,6 +25,7 @@ from deltarl.transport.control import (
 )
 from deltarl.transport.events import EventPublisher, EventSubscriber
 from deltarl.transport.messages import (
+    COMMANDS,
     KIND_REQUEST,
     NO_REQUEST_ID,
     Command,
@@ -30,6 +33,7 @@ from deltarl.transport.messages import (
     ErrorCode,
     Event,
     GetStatus,
+    MessageError,
     Ok,
     Pause,
     RefitFailed,
@@ -38,6 +42,7 @@ from deltarl.transport.messages import (
     Shutdown,
     Status,
     VersionApplied,
+    decode_body,
     decode_reply,
     encode_request,
 )
@@ -398,3 +403,43 @@ def test_subscriber_gets_only_its_topics(endpoint):
             publisher.close()
 
     assert run(scenario(), limit=5.0) == VersionApplied(9, base=8, seconds=0.5)
+
+
+def test_duplicate_keys_are_refused_not_resolved_to_the_last() -> None:
+    # {"type": "status", ..., "type": "shutdown"} must not shut a daemon down.
+    raw = b'{"type": "status", "body": {}, "type": "shutdown"}'
+    with pytest.raises(MessageError) as info:
+        decode_body(raw, COMMANDS)
+    assert info.value.code == ErrorCode.BAD_JSON
+    assert "duplicate keys" in info.value.message
+    nested = b'{"type": "status", "body": {"a": 1, "a": 2}}'
+    with pytest.raises(MessageError, match="duplicate keys"):
+        decode_body(nested, COMMANDS)
+
+
+def test_an_unknown_type_is_not_echoed_whole() -> None:
+    tag = "x" * 100_000
+    with pytest.raises(MessageError) as info:
+        decode_body(orjson.dumps({"type": tag, "body": {}}), COMMANDS)
+    assert info.value.code == ErrorCode.UNKNOWN_TYPE
+    assert len(info.value.message) < 1_000
+
+
+def test_commands_that_change_a_daemon_are_logged_with_their_sender(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        endpoint = f"ipc://{tmp_path}/audit.sock"
+
+        async def on_shutdown(_: Shutdown) -> Ok:
+            return Ok("stopping")
+
+        server = ControlServer(endpoint, {Shutdown: on_shutdown}, name="audited")
+        async with server, ControlClient(endpoint) as client:
+            assert await client.request(Shutdown(), 5.0) == Ok("stopping")
+
+    with caplog.at_level(logging.INFO, logger="deltarl.transport.control"):
+        asyncio.run(scenario())
+    assert any(
+        "audited: 'shutdown' asked by a local peer" in r.getMessage() for r in caplog.records
+    )
