@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
+import xxhash
+
 from deltarl.transport.link_config import LinkConfig
 
 MAX_VERSION = (1 << 63) - 1  # versions are i64 in the chunk frame (codecs/frame.py)
@@ -185,11 +187,18 @@ class DeliveryQueue:
 
 
 def fingerprint(data: bytes | memoryview) -> bytes:
-    """What tells two different payloads under one (version, chunk id) apart: their first 64
-    bytes. A deltarl chunk frame's header holds its base, target and xxh3-64 checksum there,
-    and a manifest begins with its version, base and kind, so a version re-sent in full after
-    a half-delivered delta is new, while a true duplicate is not."""
+    """What tells two different chunks under one (version, chunk id) apart: their first 64
+    bytes. A deltarl chunk frame's header holds its base, target, chunk id and xxh3-64
+    checksum there, so a version re-sent in full after a half-delivered delta is new, while a
+    true duplicate is not."""
     return bytes(memoryview(data)[:64])
+
+
+def manifest_mark(data: bytes | memoryview) -> bytes:
+    """What tells two manifests of one version apart: a hash of all of it. Their first bytes
+    (version, base, kind) are the same for two sends of a version in full, which differ in
+    their chunk ids, further in; a manifest is small, so hashing it whole costs nothing."""
+    return xxhash.xxh3_128_digest(data)
 
 
 class DeliveredSet:

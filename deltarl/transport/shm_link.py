@@ -58,6 +58,7 @@ from deltarl.transport.base import (
     ReceivedManifest,
     check_ids,
     fingerprint,
+    manifest_mark,
 )
 from deltarl.transport.link_config import ShmLinkConfig
 
@@ -320,7 +321,7 @@ class ShmReceiver(ChunkReceiver):
             if len(frames[2]) > self.config.max_manifest_bytes:
                 logger.error("shm link: refused a %d-byte manifest", len(frames[2]))
                 return None
-            if not self._delivered.add_manifest(version, fingerprint(frames[2])):
+            if not self._delivered.add_manifest(version, manifest_mark(frames[2])):
                 return None
             return ReceivedManifest(version, frames[2])
         if kind == KIND_CHUNK and len(frames) == 3 and len(frames[1]) == NOTICE.size:

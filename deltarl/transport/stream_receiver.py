@@ -30,6 +30,7 @@ from deltarl.transport.base import (
     ReceivedChunk,
     ReceivedManifest,
     fingerprint,
+    manifest_mark,
 )
 from deltarl.transport.link_config import StreamLinkConfig
 from deltarl.transport.stream_wire import (
@@ -157,7 +158,7 @@ class StreamReceiver(ChunkReceiver):
                 self.stats.duplicates += 1
             reply = pack_header(MSG_ACK, version, chunk_id)
         elif header.kind == MSG_MANIFEST:
-            if self._delivered.add_manifest(version, fingerprint(payload)):
+            if self._delivered.add_manifest(version, manifest_mark(payload)):
                 await self._deliver(ReceivedManifest(version, payload))
             else:
                 self.stats.duplicates += 1

@@ -55,6 +55,7 @@ from deltarl.transport.base import (
     ReceivedManifest,
     check_ids,
     fingerprint,
+    manifest_mark,
 )
 from deltarl.transport.link_config import UcxLinkConfig
 from deltarl.transport.stream_wire import WireError
@@ -437,7 +438,7 @@ class UcxReceiver(ChunkReceiver):
             first = self._delivered.add_chunk(version, chunk_id, fingerprint(payload))
             item: Received = ReceivedChunk(version, chunk_id, memoryview(payload))
         else:
-            first = self._delivered.add_manifest(version, fingerprint(payload))
+            first = self._delivered.add_manifest(version, manifest_mark(payload))
             item = ReceivedManifest(version, bytes(payload))
         if not first:
             self.stats.duplicates += 1

@@ -286,7 +286,9 @@ def test_resync_and_a_restarted_receiver_get_the_newest_version_again(tmp_path: 
             await p.apply.on_rollback(Rollback())
             p.apply.session = "restarted"
             p.feed.update(p.apply.receiver_state())
+            async with asyncio.timeout(30):
+                while p.export.ref.session != "restarted":  # noqa: ASYNC110 - a core's state
+                    await asyncio.sleep(0.01)
             await p.active(version)
-            assert p.export.ref.session == "restarted"
 
     asyncio.run(scenario())
