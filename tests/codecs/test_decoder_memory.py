@@ -24,12 +24,10 @@ from deltarl.codecs.decoder import DecodeScratch, VersionApply
 from deltarl.codecs.frame import (
     COMP_NONE,
     COMP_ZSTD,
-    HEADER,
     KIND_DELTA,
     POS_BITMAP,
     POS_DENSE,
     POS_RICE,
-    STREAM,
     STREAM_BITMAP,
     STREAM_PLANE0,
     STREAM_RICE,
@@ -39,7 +37,7 @@ from deltarl.codecs.frame import (
     RecordHeader,
 )
 from deltarl.engine.layout import Layout
-from tests.codecs.forge import reseal
+from tests.codecs.forge import build_frame
 from tests.codecs.sample_delta import BASE, TARGET, Case, make_case
 
 HUGE = 1 << 30  # elements of the declared tensor (2 GiB of bf16)
@@ -53,27 +51,7 @@ def _layout(numel: int) -> Layout:
 
 
 def _frame(records: list[RecordHeader], streams: list[tuple[int, int, int, bytes]]) -> bytes:
-    """A sealed delta frame of these records and (kind, compression, raw_len, wire) streams."""
-    table = b"".join(r.pack() for r in records)
-    stable = b"".join(STREAM.pack(k, c, 0, 0, raw, len(w)) for k, c, raw, w in streams)
-    body = table + stable + b"".join(w for *_, w in streams)
-    raw_len = sum(raw for _, _, raw, _ in streams)
-    head = HEADER.pack(
-        b"DRLF",
-        1,
-        KIND_DELTA,
-        0,
-        BASE,
-        TARGET,
-        0,
-        len(records),
-        len(streams),
-        0,
-        len(body),
-        raw_len,
-        0,
-    )
-    return reseal(head + body)
+    return build_frame(KIND_DELTA, BASE, TARGET, records, streams)
 
 
 def _record(pos: int, length: int, changed: int, pos_len: int, val_len: int) -> RecordHeader:
