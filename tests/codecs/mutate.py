@@ -5,15 +5,20 @@ Each mutant takes one to three edits: bit flips, random bytes, byte inserts and 
 truncation, a splice of two valid inputs, a repeated slice, and length-field inflation (a u32
 or u64 at a field offset the caller names, or anywhere, set to a huge or multiplied value).
 The same seed gives the same mutants, so a failure names the seed and index that reproduce it.
+``bounded_memory`` caps the address space while a fuzz runs and checks the peak RSS after.
 """
 
 from __future__ import annotations
 
 import random
+import resource
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import orjson
+
+FUZZ_HEADROOM = 512 << 20  # bytes of address space and of peak RSS growth a fuzz run may use
 
 # Values that lengths and counts are inflated to: limits, their neighbours, the top of each width.
 HUGE_VALUES = (
@@ -172,3 +177,32 @@ def mutate_json(rng: random.Random, doc: bytes) -> bytes:
         else:
             parent[i] = rng.choice(_ODD_VALUES)
     return orjson.dumps(tree)
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        (line,) = [x for x in f if x.startswith("VmSize:")]
+    return int(line.split()[1]) * 1024
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+@contextmanager
+def bounded_memory(headroom: int = FUZZ_HEADROOM) -> Iterator[None]:
+    """Cap the address space at its present size plus ``headroom``; check the peak RSS after."""
+    rss = _maxrss()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = _vm_size() + headroom
+    resource.setrlimit(
+        resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard)
+    )
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert _maxrss() - rss < headroom, f"the peak RSS grew by {_maxrss() - rss} bytes"

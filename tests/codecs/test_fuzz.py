@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import resource
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numba
 import numpy as np
@@ -54,38 +51,11 @@ from deltarl.codecs.frame import (
 from deltarl.codecs.manifest import ManifestError, RefitManifest
 from deltarl.engine.layout import Layout
 from tests.codecs.forge import build_frame, gaps, reseal, rice_write
-from tests.codecs.mutate import Mutator, mutate_json
+from tests.codecs.mutate import Mutator, bounded_memory, mutate_json
 from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case, make_case
 
-FUZZ_HEADROOM = 512 << 20  # bytes of address space and of peak RSS growth a fuzz run may use
 SLOW = 20  # times the default number of mutants in the -m slow run
 BIG = 1 << 30  # elements of the tensor the fuzzed layout declares and never allocates
-
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        (line,) = [x for x in f if x.startswith("VmSize:")]
-    return int(line.split()[1]) * 1024
-
-
-def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-@contextmanager
-def bounded_memory(headroom: int = FUZZ_HEADROOM) -> Iterator[None]:
-    """Cap the address space at its present size plus ``headroom``; check the peak RSS after."""
-    rss = _maxrss()
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _vm_size() + headroom
-    resource.setrlimit(
-        resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard)
-    )
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    assert _maxrss() - rss < headroom, f"the peak RSS grew by {_maxrss() - rss} bytes"
 
 
 @pytest.fixture(scope="module")
