@@ -395,19 +395,17 @@ def _decode_sparse(
 def _bitmap_positions(i: int, r: RecordHeader, packed: np.ndarray) -> np.ndarray:
     """The positions a record's bitmap marks, ascending, checked against its header.
 
-    Counted byte-wise before anything is expanded, and only the non-zero bytes are: the
-    work and memory follow the bitmap's bytes and the changed elements (which the record's
-    raw value stream bounds), not the range it covers.
+    One pass over the bitmap's bytes into room for the ``changed`` positions the header
+    claims (which its raw value stream bounds): never a byte per element of the range.
     """
     tail = r.length % 8  # pos_len is ceil(length / 8) (check_records)
     if tail and int(packed[-1]) >> tail:
         raise FrameError(f"record {i}: bitmap padding bits are not zero")
-    marked = int(np.bitwise_count(packed).sum(dtype=np.int64))
+    found = np.empty(r.changed, np.int64)
+    marked = kernels.bitmap_positions(packed, found)
     if marked != r.changed:
         raise FrameError(f"record {i}: bitmap marks {marked} elements, header says {r.changed}")
-    nonzero = np.flatnonzero(packed)  # at most `changed` bytes
-    bits = np.flatnonzero(np.unpackbits(packed[nonzero], bitorder="little"))
-    return nonzero[bits >> 3] * 8 + (bits & 7)
+    return found
 
 
 def _split_planes(
