@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from deltarl.codecs import decoder
+from deltarl.codecs import decoder, encoder
 from deltarl.codecs.decoder import DecodeScratch, VersionApply
+from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import (
     COMP_NONE,
     COMP_ZSTD,
@@ -37,8 +38,8 @@ from deltarl.codecs.frame import (
     RecordHeader,
 )
 from deltarl.engine.layout import Layout
-from tests.codecs.forge import build_frame
-from tests.codecs.sample_delta import BASE, TARGET, Case, make_case
+from tests.codecs.forge import Forged, build_frame
+from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case, make_case
 
 HUGE = 1 << 30  # elements of the declared tensor (2 GiB of bf16)
 VAST = 1 << 40  # elements of the declared tensor in the frame that raised MemoryError
@@ -236,3 +237,27 @@ def test_memory_error_is_a_frame_error(
     assert not apply.applied
     if where == "DecodeScratch.reset":
         assert target.tobytes() == case.ref.tobytes()
+
+
+# -- the encoder never makes a chunk the decoder would refuse ----------------------------------
+
+
+def test_encoder_keeps_chunks_under_the_decoded_element_limit(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the limit at 100 elements, every chunk decodes at most 100, and the version applies."""
+    monkeypatch.setattr(encoder, "MAX_DECODED_ELEMS", 100)
+    enc = DeltaEncoder(case.layout, chunk_bytes=1 << 20, item_elems=ITEM, dense_threshold=0.5)
+    assert enc.item_elems == 64  # items no larger than the limit
+    chunks = [
+        c.data for c in enc.encode(case.cur, case.ref, target_version=TARGET, base_version=BASE)
+    ]
+    assert len(chunks) > 5  # one 1 MiB chunk without the limit
+    for data in chunks:
+        records = Forged.parse(data).records
+        assert sum(r.changed for r in records if r.pos_coding != POS_DENSE) <= 100
+    target = case.ref.copy()
+    apply = VersionApply(case.layout, target, case.ref, base=BASE, version=TARGET)
+    for data in chunks:
+        apply.apply(data)
+    assert target.tobytes() == case.cur.tobytes()
