@@ -47,7 +47,8 @@ What a decoder allocates is bounded by what it received, before it allocates any
 - a chunk decodes at most MAX_DECODED_ELEMS sparse elements (16 bytes of scratch each);
 - the streams' raw lengths add up to at most MAX_RAW_BYTES, and a zstd stream's to at most
   what zstd can expand its wire bytes to (compression.ZSTD_MAX_EXPANSION);
-- bitmaps are counted byte-wise, never expanded to a byte per element.
+- a bitmap is read in one pass into room for the elements it claims, never expanded to a
+  byte per element of its range.
 """
 
 from __future__ import annotations
