@@ -122,6 +122,21 @@ def decode_chunk(
     last only until its next use (VersionApply decodes and applies chunk by chunk, so it
     uses this thread's scratch); without one they are freshly allocated.
     """
+    try:
+        return _decode_chunk(data, layout, base, target, scratch)
+    except MemoryError as exc:
+        # Every allocation is bounded by the frame's bytes and MAX_RAW_BYTES before it is
+        # made; a frame that still does not fit is refused like any other (nothing written).
+        raise FrameError(f"frame refused: decoding it ran out of memory ({exc!r})") from exc
+
+
+def _decode_chunk(
+    data: bytes | bytearray | memoryview,
+    layout: Layout,
+    base: int | None,
+    target: int | None,
+    scratch: DecodeScratch | None,
+) -> DecodedChunk:
     buf = memoryview(data).cast("B")
     header = FrameHeader.parse(buf)
     if len(buf) != HEADER_SIZE + header.body_len:
@@ -264,7 +279,15 @@ class VersionApply:
         decoded = decode_chunk(
             data, self.layout, base=self.base, target=self.version, scratch=_default_scratch()
         )
-        apply_chunk(decoded, self.layout, self.target, self.reference)
+        try:
+            apply_chunk(decoded, self.layout, self.target, self.reference)
+        except MemoryError as exc:
+            # Dense records may have been written: this version's apply is refused as a whole
+            # (the caller fails it), so the half-written target is never activated.
+            raise FrameError(
+                f"chunk {header.chunk_id} of version {self.version}: ran out of memory while "
+                f"writing it; the target is partly written ({exc!r})"
+            ) from exc
         self.applied[header.chunk_id] = header.checksum
         return True
 
@@ -317,16 +340,8 @@ def _decode_sparse(
         else:
             packed = raw[STREAM_BITMAP][bitmap_at : bitmap_at + r.pos_len]
             bitmap_at += r.pos_len
-            bits = np.unpackbits(packed, bitorder="little")
-            if bits[r.length :].any():
-                raise FrameError(f"record {i}: bitmap padding bits are not zero")
-            found = np.flatnonzero(bits[: r.length])
-            if found.size != r.changed:
-                raise FrameError(
-                    f"record {i}: bitmap marks {found.size} elements, header says {r.changed}"
-                )
+            bitmaps[i] = _bitmap_positions(i, r, packed)
             pos_off[i] = -1
-            bitmaps[i] = found
     scratch.reset(sum(records[i].changed for i in ids))
     batches = []
     for itemsize in sorted({records[i].itemsize for i in ids}):
@@ -375,6 +390,22 @@ def _decode_sparse(
             )
         )
     return batches
+
+
+def _bitmap_positions(i: int, r: RecordHeader, packed: np.ndarray) -> np.ndarray:
+    """The positions a record's bitmap marks, ascending, checked against its header.
+
+    One pass over the bitmap's bytes into room for the ``changed`` positions the header
+    claims (which its raw value stream bounds): never a byte per element of the range.
+    """
+    tail = r.length % 8  # pos_len is ceil(length / 8) (check_records)
+    if tail and int(packed[-1]) >> tail:
+        raise FrameError(f"record {i}: bitmap padding bits are not zero")
+    found = np.empty(r.changed, np.int64)
+    marked = kernels.bitmap_positions(packed, found)
+    if marked != r.changed:
+        raise FrameError(f"record {i}: bitmap marks {marked} elements, header says {r.changed}")
+    return found
 
 
 def _split_planes(

@@ -30,6 +30,7 @@ from deltarl.codecs.compression import DEFAULT_LEVEL, PlaneCompressor
 from deltarl.codecs.frame import (
     KIND_DELTA,
     KIND_FULL,
+    MAX_DECODED_ELEMS,
     NO_BASE,
     POS_BITMAP,
     POS_DENSE,
@@ -100,7 +101,9 @@ class DeltaEncoder:
         # A record's raw size is at most ~2.3x its model bytes (worst-case Rice); items of at
         # most a quarter chunk of 8-byte elements keep every record well inside one chunk.
         # Multiples of 64 elements keep item starts word-aligned for the kernels.
-        self.item_elems = max(64, min(item_elems, chunk_bytes // 4 // 8) // 64 * 64)
+        self.item_elems = max(
+            64, min(item_elems, chunk_bytes // 4 // 8, MAX_DECODED_ELEMS) // 64 * 64
+        )
         self._scratch: dict[int, SparseScratch] = {}
 
     # -- public -----------------------------------------------------------------------------
@@ -153,23 +156,29 @@ class DeltaEncoder:
         entries: list[ChunkEntry] = []
         pending: list[Record] = []
         pending_bytes = 0
+        pending_sparse = 0  # sparse elements: a chunk decodes at most MAX_DECODED_ELEMS
 
         def flush() -> Chunk:
-            nonlocal pending, pending_bytes
+            nonlocal pending, pending_bytes, pending_sparse
             t0 = time.perf_counter()
             chunk_id = first_id + len(entries)
             chunk = pack_chunk(self._compressor, kind, base, target, chunk_id, pending, tallies)
             enc.timings.pack_s += time.perf_counter() - t0
             entries.append(ChunkEntry(chunk.chunk_id, len(chunk.data), chunk.checksum))
-            pending, pending_bytes = [], 0
+            pending, pending_bytes, pending_sparse = [], 0, 0
             return chunk
 
         for wave in self._waves():
             for record in self._encode_wave(enc, wave, cur, ref, tallies):
-                if pending and pending_bytes + record.raw_bytes > self.chunk_bytes:
+                sparse = 0 if record.header.pos_coding == POS_DENSE else record.header.changed
+                if pending and (
+                    pending_bytes + record.raw_bytes > self.chunk_bytes
+                    or pending_sparse + sparse > MAX_DECODED_ELEMS
+                ):
                     yield flush()
                 pending.append(record)
                 pending_bytes += record.raw_bytes
+                pending_sparse += sparse
             # A chunk per wave at least: a delta is far smaller than chunk_bytes, and holding
             # its records back until the last wave would serialise encoding and sending.
             if pending:

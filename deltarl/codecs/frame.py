@@ -38,6 +38,17 @@ Streams (each kind at most once per chunk):
   exceeds p, in record order (byte planes: bytes of equal significance compress far better).
 
 Sparse records carry ``changed`` values in STREAM_VALUES; dense ones ``length`` in the planes.
+
+What a decoder allocates is bounded by what it received, before it allocates anything:
+- STREAM_RICE and STREAM_VALUES are stored raw (never zstd: they are near their entropy
+  anyway), and every Rice code takes at least 1 + k bits, so a sparse record's ``changed``
+  is at most 8 * pos_len / (1 + pos_k) (Rice positions) and 8 * val_len / (1 + val_k): the
+  positions and values it decodes are bounded by the wire bytes that carry them;
+- a chunk decodes at most MAX_DECODED_ELEMS sparse elements (16 bytes of scratch each);
+- the streams' raw lengths add up to at most MAX_RAW_BYTES, and a zstd stream's to at most
+  what zstd can expand its wire bytes to (compression.ZSTD_MAX_EXPANSION);
+- a bitmap is read in one pass into room for the elements it claims, never expanded to a
+  byte per element of its range.
 """
 
 from __future__ import annotations
@@ -74,8 +85,11 @@ STREAM_BITMAP = 2
 STREAM_VALUES = 3
 STREAM_PLANE0 = 8  # STREAM_PLANE0 + p for byte plane p (0 <= p < 8)
 
-# A decoder never allocates more than this for one chunk, whatever the frame claims.
+# A decoder never decompresses more than this for one chunk, whatever the frame claims.
 MAX_RAW_BYTES = 1 << 31
+# Sparse elements (changed positions and their coded values) one chunk may decode: 4 GiB of
+# decode scratch at 16 bytes each. The encoder starts a new chunk before it would exceed it.
+MAX_DECODED_ELEMS = MAX_RAW_BYTES // 8
 MAX_ITEMSIZE = 8
 
 HEADER = struct.Struct("<4sHBBqqIIIIQQQ")

@@ -13,8 +13,10 @@ import numpy as np
 from deltarl.codecs import kernels
 from deltarl.codecs.compression import decompress
 from deltarl.codecs.frame import (
+    COMP_ZSTD,
     KIND_DELTA,
     KIND_FULL,
+    MAX_DECODED_ELEMS,
     POS_BITMAP,
     POS_DENSE,
     POS_NAMES,
@@ -49,6 +51,7 @@ def check_versions(header: FrameHeader, base: int | None, target: int | None) ->
 
 def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layout) -> None:
     last: tuple[int, int] = (-1, 0)  # (tensor id, end) of the previous record
+    sparse = 0  # changed elements of the sparse records
     for i, r in enumerate(records):
         where = f"record {i}"
         if r.tensor_id >= len(layout):
@@ -85,8 +88,28 @@ def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layo
             raise FrameError(f"{where}: Rice parameters {r.pos_k}/{r.val_k} out of range")
         if r.pos_coding == POS_BITMAP and (r.pos_k or r.pos_len != (r.length + 7) // 8):
             raise FrameError(f"{where}: bitmap of {r.pos_len} bytes for {r.length} elements")
+        # Every Rice code takes at least 1 + k bits: the bytes a record claims (which the
+        # streams must then deliver, raw) bound the elements it decodes, before any is.
+        if r.pos_coding == POS_RICE:
+            _check_rice_room(where, r.changed, "pos_len", r.pos_len, r.pos_k)
+        _check_rice_room(where, r.changed, "val_len", r.val_len, r.val_k)
         if r.val_coding == VAL_RAW:
             raise FrameError(f"{where}: a sparse record must be reference-coded")
+        sparse += r.changed
+    if sparse > MAX_DECODED_ELEMS:
+        raise FrameError(
+            f"records claim {sparse} changed elements in all, over the {MAX_DECODED_ELEMS} "
+            "a chunk may decode"
+        )
+
+
+def _check_rice_room(where: str, changed: int, field: str, nbytes: int, k: int) -> None:
+    """Refuse a record whose Rice stream of ``nbytes`` cannot hold ``changed`` codes."""
+    if changed * (1 + k) > 8 * nbytes:
+        raise FrameError(
+            f"{where}: {kernels.ERRORS[kernels.EXHAUSTED]} ({field} {nbytes} bytes hold at most "
+            f"{8 * nbytes // (1 + k)} codes of parameter {k}; the record claims {changed})"
+        )
 
 
 def read_streams(
@@ -109,7 +132,11 @@ def read_streams(
             need(STREAM_VALUES, r.val_len)
     kinds = [s.kind for s in streams]
     if len(set(kinds)) != len(kinds):
-        raise FrameError(f"a stream kind appears twice: {kinds}")
+        raise FrameError(f"a stream kind appears twice: {kinds[:64]}")
+    for s in streams:
+        # Raw, so that the records' Rice bounds (check_records) are bounds in wire bytes.
+        if s.kind in (STREAM_RICE, STREAM_VALUES) and s.compression == COMP_ZSTD:
+            raise FrameError(f"stream kind {s.kind}: a Rice stream must be stored raw, not zstd")
     if sum(s.wire_len for s in streams) != len(payload):
         raise FrameError(
             f"streams claim {sum(s.wire_len for s in streams)} bytes; "

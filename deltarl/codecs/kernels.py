@@ -498,6 +498,26 @@ def decode_sparse(
         errors[i] = err
 
 
+@njit(cache=True, boundscheck=False, nogil=True)
+def bitmap_positions(packed, out):
+    """Write the positions of the set bits of ``packed`` (least-significant bit first), in
+    ascending order, into ``out`` as far as it holds them; return how many bits are set.
+
+    One pass over the bitmap's bytes and its set bits: the memory is what the caller gives
+    (one slot per element the record claims), never a byte per bit of the range.
+    """
+    m = out.shape[0]
+    c = 0
+    for i in range(packed.shape[0]):
+        b = np.uint64(packed[i])
+        while b != _U0:
+            if c < m:
+                out[c] = i * 8 + np.int64(trailing_zeros(b))
+            c += 1
+            b &= b - _U1
+    return c
+
+
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def scatter_sparse(target, reference, bases, counts, out_off, positions, zval, coding, is_float):
     """target[bases[i] + p] = decode(z, reference[...]) for every decoded (p, z) of record i.

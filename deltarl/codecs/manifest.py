@@ -15,6 +15,14 @@ import orjson
 
 from deltarl.codecs.frame import KIND_NAMES, NO_BASE
 
+# What a receiver reads before parsing (a manifest comes off the network): a 1 TB model sent in
+# 1 MiB chunks lists a million chunks, about 60 MB of JSON. Parsed, a manifest costs a small
+# multiple of its bytes, so bounding the bytes bounds the memory.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_NDIM = 64  # numpy's own limit on dimensions
+MAX_TEXT = 4096  # characters of a tensor's name, dtype, coding or checksum
+MAX_INT = (1 << 63) - 1  # versions, counts and sizes are i64 / u64 on the wire
+
 
 class ManifestError(ValueError):
     """A manifest that is malformed or does not match the layout it claims to describe."""
@@ -61,6 +69,10 @@ class RefitManifest:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> RefitManifest:
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"manifest of {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"
+            )
         try:
             obj: dict[str, Any] = orjson.loads(data)
             m = cls(
@@ -86,8 +98,10 @@ class RefitManifest:
                 ],
                 model_xxh3_128=str(obj["model_xxh3_128"]),
             )
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from exc
+        except (MemoryError, RecursionError) as exc:
+            raise ManifestError(f"manifest refused: parsing it ran out of room ({exc!r})") from exc
         if m.kind not in KIND_NAMES.values():
             raise ManifestError(f"manifest kind {m.kind!r} is neither delta nor full")
         if (m.kind == "full") != (m.base_version == NO_BASE):
@@ -95,4 +109,24 @@ class RefitManifest:
         first = m.chunks[0].id if m.chunks else 0
         if [c.id for c in m.chunks] != list(range(first, first + len(m.chunks))):
             raise ManifestError("manifest chunk ids are not consecutive and in order")
+        _check_bounds(m)
         return m
+
+
+def _check_bounds(m: RefitManifest) -> None:
+    """Every number in range for its field, every text and shape of a sane size."""
+    if not NO_BASE <= m.base_version <= MAX_INT or not 0 <= m.version <= MAX_INT:
+        raise ManifestError(f"manifest versions {m.base_version}->{m.version} out of range")
+    for i, t in enumerate(m.tensors):
+        texts = (t.name, t.dtype, t.coding, t.xxh3_128)
+        if any(len(x) > MAX_TEXT for x in texts):
+            raise ManifestError(f"tensor {i}: a text field is over {MAX_TEXT} characters")
+        if len(t.shape) > MAX_NDIM or not all(0 <= d <= MAX_INT for d in t.shape):
+            raise ManifestError(f"tensor {i} ({t.name!r}): shape {t.shape[:MAX_NDIM]} out of range")
+        if not (0 <= t.changed <= MAX_INT and 0 <= t.wire_bytes <= MAX_INT):
+            raise ManifestError(f"tensor {i} ({t.name!r}): changed or wire_bytes out of range")
+    for c in m.chunks:
+        if not (0 <= c.id < 1 << 32 and 0 <= c.size <= MAX_INT and 0 <= c.xxh3_64 < 1 << 64):
+            raise ManifestError(f"chunk {c.id}: id, size or checksum out of range")
+    if len(m.model_xxh3_128) > MAX_TEXT:
+        raise ManifestError(f"the model checksum is over {MAX_TEXT} characters")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from deltarl.codecs import kernels
 from deltarl.codecs.decoder import VersionApply
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import VAL_ORDERED_DELTA, VAL_XOR
@@ -52,6 +53,13 @@ def warm_up() -> None:
             apply.apply(chunk.data)
         assert encoding.manifest is not None
         apply.verify(encoding.manifest)
+    # The delta above has no bitmap records. A bitmap comes from zstd or the frame's bytes
+    # (read-only), or from a bytearray frame (writable).
+    marks = np.packbits(np.arange(64) % 3 == 0, bitorder="little")
+    readonly = marks.copy()
+    readonly.flags.writeable = False
+    for packed in (marks, readonly):
+        assert kernels.bitmap_positions(packed, np.empty(22, np.int64)) == 22
 
 
 if __name__ == "__main__":

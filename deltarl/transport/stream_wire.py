@@ -72,6 +72,8 @@ def pack_header(
 
 def parse_header(raw: bytes, allowed: Mapping[int, str], max_payload: int) -> Header:
     """The header in ``raw``, checked against what this side may receive; else WireError."""
+    if len(raw) != HEADER.size:
+        raise WireError(f"bad header: {len(raw)} bytes, a header is {HEADER.size}")
     code, version, chunk_id, length = HEADER.unpack(raw)
     kind, compressed = code & ~FLAG_ZSTD, bool(code & FLAG_ZSTD)
     name = allowed.get(kind)

@@ -203,3 +203,20 @@ def gaps(positions: list[int]) -> list[int]:
 
 def raw_stream(kind: int, raw: bytes) -> Stream:
     return Stream(kind, COMP_NONE, raw)
+
+
+def build_frame(
+    kind: int,
+    base: int,
+    target: int,
+    records: list[RecordHeader],
+    streams: list[tuple[int, int, int, bytes]],
+) -> bytes:
+    """A sealed frame from records and (kind, compression, raw_len, wire) streams, written as
+    given: raw lengths may lie about the wire bytes, which need not decompress to them."""
+    table = b"".join(r.pack() for r in records)
+    stable = b"".join(STREAM.pack(k, c, 0, 0, raw, len(w)) for k, c, raw, w in streams)
+    body = table + stable + b"".join(w for *_, w in streams)
+    raw_len = sum(raw for _, _, raw, _ in streams)
+    fields = (kind, 0, base, target, 0, len(records), len(streams), 0, len(body), raw_len, 0)
+    return reseal(HEADER.pack(b"DRLF", 1, *fields) + body)

@@ -7,7 +7,13 @@ import dataclasses
 import orjson
 import pytest
 
-from deltarl.codecs.manifest import ChunkEntry, ManifestError, RefitManifest, TensorEntry
+from deltarl.codecs.manifest import (
+    MAX_MANIFEST_BYTES,
+    ChunkEntry,
+    ManifestError,
+    RefitManifest,
+    TensorEntry,
+)
 
 
 def manifest(**changes: object) -> RefitManifest:
@@ -122,3 +128,50 @@ def _with(**changes: object) -> bytes:
 def test_malformed_manifests_are_refused(data: bytes, match: str) -> None:
     with pytest.raises(ManifestError, match=match):
         RefitManifest.from_json(data)
+
+
+# -- bounds: a manifest comes off the network ---------------------------------------------------
+
+
+def _tensor(**changes: object) -> bytes:
+    d = as_dict(manifest())
+    d["tensors"][0].update(changes)
+    return orjson.dumps(d)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b" " * (MAX_MANIFEST_BYTES + 1), r"manifest of 67108865 bytes, over the 67108864-byte"),
+        (_with(version=2**63), r"manifest versions 11->9223372036854775808 out of range"),
+        (_with(version=-3), r"manifest versions 11->-3 out of range"),
+        (_with(base_version=-2), r"manifest versions -2->12 out of range"),
+        (  # orjson reads an integer over 64 bits as a float
+            _with(version=7).replace(b'"version":7', b'"version":18446744073709551617'),
+            r"manifest versions 11->18446744073709551616 out of range",
+        ),
+        (b'{"version": 1e400}', r"malformed manifest: JSONDecodeError"),  # infinity
+        (_tensor(shape=[1] * 65), r"tensor 0 \('w'\): shape \[1, .*\] out of range"),
+        (_tensor(shape=[4, -1]), r"tensor 0 \('w'\): shape \[4, -1\] out of range"),
+        (_tensor(changed=-1), r"tensor 0 \('w'\): changed or wire_bytes out of range"),
+        (_tensor(wire_bytes=2**63), r"changed or wire_bytes out of range"),
+        (_tensor(name="n" * 4097), r"tensor 0: a text field is over 4096 characters"),
+        (_with(chunks=[{"id": 0, "size": -5, "xxh3_64": 0}]), r"chunk 0: size or checksum out"),
+        (_with(model_xxh3_128="d" * 5000), r"the model checksum is over 4096 characters"),
+    ],
+    ids=lambda x: None,
+)
+def test_out_of_bounds_manifests_are_refused(data: bytes, match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        RefitManifest.from_json(data)
+
+
+def test_running_out_of_memory_while_parsing_is_a_manifest_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def loads(data: bytes | str) -> object:
+        raise MemoryError
+
+    monkeypatch.setattr(orjson, "loads", loads)
+    with pytest.raises(ManifestError, match=r"parsing it ran out of room \(MemoryError\(\)\)"):
+        RefitManifest.from_json(manifest().to_json())
