@@ -194,7 +194,7 @@ def prepare(args: argparse.Namespace) -> Run:
     directory = args.workdir or default_home() / "runs" / run_id
     directory.mkdir(parents=True, exist_ok=False)
     shm = Path("/dev/shm") / f"deltarl-up-{run_id}"  # noqa: S108 - shared memory, not a temp file
-    shm.mkdir()
+    shm.mkdir(mode=0o700)  # private: the daemons' ipc sockets live here
     run = Run(directory.resolve(), shm, args.steps)
     write_config(run, ensure_default_model(default_home() / "models"), args)
     return run

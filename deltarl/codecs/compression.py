@@ -41,6 +41,30 @@ class ZstdFrameError(ValueError):
     """A zstd frame that is malformed, corrupt, or larger than its reader allows."""
 
 
+ZSTD_FRAME_HEADER_MAX = 18
+"""The longest zstd frame header: its first this many bytes tell a frame's content size."""
+
+
+def zstd_content_size(
+    wire: bytes | memoryview, *, exact: int | None = None, limit: int | None = None
+) -> int:
+    """The content size a zstd frame declares, checked as ``zstd_frame`` checks it, from the
+    frame or just its first ``ZSTD_FRAME_HEADER_MAX`` bytes; else ZstdFrameError.
+
+    A reader can thus reserve memory for the frame before it reads or decodes the rest."""
+    try:
+        size: int = zstandard.get_frame_parameters(wire).content_size
+    except zstandard.ZstdError as exc:
+        raise ZstdFrameError(f"not a zstd frame ({exc})") from exc
+    if exact is not None and size != exact:  # an unknown size (-1) is never the exact one
+        raise ZstdFrameError(f"zstd frame holds {size} bytes, header says {exact}")
+    if size == zstandard.CONTENTSIZE_UNKNOWN:
+        raise ZstdFrameError("zstd frame of unknown size; a sized frame is required")
+    if limit is not None and size > limit:
+        raise ZstdFrameError(f"zstd frame of {size} bytes; the limit is {limit}")
+    return size
+
+
 def zstd_frame(
     wire: bytes | memoryview, *, exact: int | None = None, limit: int | None = None
 ) -> bytes:
@@ -52,16 +76,7 @@ def zstd_frame(
     is decoded; the decoder then never writes more than that, so a forged frame cannot make a
     reader allocate more than it allowed, nor more than its own bytes could hold.
     """
-    try:
-        size = zstandard.get_frame_parameters(wire).content_size
-    except zstandard.ZstdError as exc:
-        raise ZstdFrameError(f"not a zstd frame ({exc})") from exc
-    if exact is not None and size != exact:  # an unknown size (-1) is never the exact one
-        raise ZstdFrameError(f"zstd frame holds {size} bytes, header says {exact}")
-    if size == zstandard.CONTENTSIZE_UNKNOWN:
-        raise ZstdFrameError("zstd frame of unknown size; a sized frame is required")
-    if limit is not None and size > limit:
-        raise ZstdFrameError(f"zstd frame of {size} bytes; the limit is {limit}")
+    size = zstd_content_size(wire, exact=exact, limit=limit)
     if size > ZSTD_MAX_EXPANSION * len(wire):
         raise ZstdFrameError(
             f"zstd frame of {len(wire)} bytes claims {size}: more than zstd can expand it to"

@@ -272,7 +272,11 @@ def try_remove_stale(path: Path) -> str | None:
     except OSError as exc:
         return f"cannot be opened to check it ({exc.strerror})"
     try:
-        reason = _why_alive(fd, path)
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid():  # root included: never remove another user's file
+            reason: str | None = f"belongs to another user (uid {owner})"
+        else:
+            reason = _why_alive(fd, path)
         if reason is None:
             path.unlink()
     finally:

@@ -74,6 +74,7 @@ from deltarl.engine.segment import (
 )
 from deltarl.engine.version_pointer import BufferState, VersionPointer
 from deltarl.engine.write_txn import WriteTxn
+from deltarl.ownership import GROUP_OTHER_WRITE, UnsafePathError, check_file, check_trusted_dirs
 
 __all__ = [
     "BufferState",
@@ -82,6 +83,7 @@ __all__ = [
     "RollbackError",
     "SegmentFormatError",
     "Snapshot",
+    "UnsafePathError",
     "WeightStore",
     "WriteTxn",
     "WriterBusy",
@@ -153,7 +155,13 @@ class WeightStore:
         dead and that nobody holds is removed first (and logged); any other existing file
         makes this raise FileExistsError.
         """
+        if mode & GROUP_OTHER_WRITE:
+            raise ValueError(
+                f"weight store {name!r}: mode {mode:04o} lets group or others write it; "
+                f"grant them read at most (0o640, 0o644): opening refuses any other"
+            )
         path = segment_path(name, root)
+        check_trusted_dirs(path.parent, f"weight store {name!r}")
         table = layout.to_json()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
@@ -181,13 +189,18 @@ class WeightStore:
         root: Path | None = None,
         readonly: bool = False,
         layout: Layout | None = None,
+        owner: int | None = None,
     ) -> WeightStore:
         """Attach to the existing segment ``name``; a clear error if it is not a valid one.
 
         ``readonly`` maps it without write permission (a reader cannot corrupt a buffer by
         mistake, nor write or roll back). ``layout``, if given, must equal the stored one.
+        The segment must belong to ``owner`` (default: this process's effective uid) and be
+        writable by nobody else, and its directory must be trusted; else UnsafePathError
+        (``deltarl.ownership``): whoever else could write it could rewrite the active buffer.
         """
         path = segment_path(name, root)
+        check_trusted_dirs(path.parent, f"weight store {name!r}")
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
         for _ in range(_OPEN_ATTEMPTS):
             try:
@@ -197,6 +210,7 @@ class WeightStore:
                     f"no weight store {name!r}: {path} does not exist"
                 ) from None
             try:
+                check_file(fd, path, "weight store", owner=owner)
                 found = read_segment(fd, path, layout)
             except BaseException:
                 os.close(fd)

@@ -157,8 +157,10 @@ class DeliveryQueue:
 
     _END = object()
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, on_drop: Callable[[Received], None] | None = None) -> None:
         self._queue: asyncio.Queue[Received | object] = asyncio.Queue(size)
+        self._on_drop = on_drop
+        """Called with each item dropped untaken (the receiver frees what it holds for it)."""
 
     async def put(self, item: Received) -> None:
         await self._queue.put(item)
@@ -179,7 +181,9 @@ class DeliveryQueue:
     def drop_pending(self) -> None:
         """Drop every queued item (so a handler waiting to queue one can finish)."""
         while not self._queue.empty():
-            self._queue.get_nowait()
+            item = self._queue.get_nowait()
+            if self._on_drop is not None and isinstance(item, ReceivedChunk | ReceivedManifest):
+                self._on_drop(item)
 
     def end(self) -> None:
         self.drop_pending()

@@ -97,6 +97,18 @@ class StreamLinkConfig:
     sockets, and TCP's flow control slows the sender."""
     keep_versions: int = 8
     """Versions whose delivered chunk ids the receiver remembers (for dedup and resume)."""
+    max_connections: int = 64
+    """Connections the receiver serves at once; it closes any more at once (logged)."""
+    max_connections_per_peer: int = 16
+    """Connections the receiver serves at once from one peer address (its IP); the sender's
+    ``connections`` must fit, with room for those of a sender that restarted."""
+    memory_budget_bytes: int | None = None
+    """Payload bytes the receiver holds at once, over all its connections: each payload's
+    bytes (compressed and decompressed) are reserved before it is read, and given back when
+    the consumer releases the chunk (a manifest: when the consumer takes it). A payload that
+    does not fit waits, which stops reading that connection (TCP slows its sender). At least
+    ``2 * max_frame_bytes`` (one largest frame, compressed and decompressed at once); None,
+    the default, is exactly that."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -118,7 +130,34 @@ class StreamLinkConfig:
             backoff_max_s=self.backoff_max_s,
             queue_size=self.queue_size,
             keep_versions=self.keep_versions,
+            max_connections=self.max_connections,
+            max_connections_per_peer=self.max_connections_per_peer,
         )
+        if self.memory_budget_bytes is not None and (
+            self.memory_budget_bytes < 2 * self.max_frame_bytes
+        ):
+            raise ValueError(
+                f"StreamLinkConfig.memory_budget_bytes must be at least 2 * max_frame_bytes "
+                f"({2 * self.max_frame_bytes}), got {self.memory_budget_bytes}"
+            )
+        if self.max_connections_per_peer > self.max_connections:
+            raise ValueError(
+                f"StreamLinkConfig.max_connections_per_peer ({self.max_connections_per_peer}) "
+                f"must not exceed max_connections ({self.max_connections})"
+            )
+        if self.connections > self.max_connections_per_peer:
+            raise ValueError(
+                f"StreamLinkConfig.connections ({self.connections}) must not exceed "
+                f"max_connections_per_peer ({self.max_connections_per_peer}): the receiver "
+                f"would refuse the rest"
+            )
+
+    @property
+    def budget_bytes(self) -> int:
+        """The receiver's memory budget: ``memory_budget_bytes``, or 2 * ``max_frame_bytes``."""
+        if self.memory_budget_bytes is not None:
+            return self.memory_budget_bytes
+        return 2 * self.max_frame_bytes
 
 
 @dataclass(frozen=True)

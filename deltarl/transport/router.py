@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Self
@@ -18,6 +19,8 @@ from typing import Any, Self
 import zmq
 import zmq.asyncio
 
+from deltarl.config.errors import ConfigError
+from deltarl.ownership import check_socket_dir
 from deltarl.transport.curve import CurveKeys, secure_server
 
 SCHEMES = ("ipc://", "tcp://")
@@ -36,12 +39,57 @@ def check_endpoint(endpoint: str) -> str:
 
 
 def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:
-    """Bind and return the address actually bound (``tcp://127.0.0.1:*`` gets its port)."""
+    """Bind and return the address actually bound (``tcp://127.0.0.1:*`` gets its port).
+
+    An ``ipc://`` socket file is made owner-only (0600) whatever the umask: it is bound with
+    the umask 0177 (so it is never reachable by others, not even for an instant) and set to
+    its mode after: 0600, or 0660 where ``DELTARL_IPC_MODE=0660`` grants the group access
+    (the systemd units do, for the operators in the group ``deltarl``); others never. Its
+    directory must be the euid's or root's and writable by nobody else
+    (``deltarl.ownership.check_socket_dir``): in a shared writable directory, /tmp included,
+    another user could take the name first and answer our clients. Abstract (``ipc://@name``)
+    and wildcard (``ipc://*``) addresses have no directory of ours to check.
+    """
+    check_endpoint(endpoint)
+    path = ipc_path(endpoint)
+    mode = ipc_mode()
+    if path is not None:
+        check_socket_dir(os.path.dirname(os.path.abspath(path)), f"socket {endpoint}")
+    old_umask = os.umask(0o177) if path is not None else None
     try:
-        sock.bind(check_endpoint(endpoint))
+        sock.bind(endpoint)
     except zmq.ZMQError as e:
         raise OSError(f"cannot bind {endpoint}: {e}") from e
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    finally:
+        if old_umask is not None:
+            os.umask(old_umask)
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    if path is not None:
+        os.chmod(path, mode)
+    return bound
+
+
+IPC_MODE_ENV = "DELTARL_IPC_MODE"
+_IPC_MODES = {"0600": 0o600, "0660": 0o660}
+
+
+def ipc_mode() -> int:
+    """The mode of a bound ipc socket file: 0600, or 0660 if ``DELTARL_IPC_MODE`` says so."""
+    value = os.environ.get(IPC_MODE_ENV, "0600")
+    if value not in _IPC_MODES:
+        raise ConfigError(
+            f"{IPC_MODE_ENV}={value!r}: expected 0600 (owner only, the default) or 0660 "
+            f"(and the group); an ipc socket is never open to others"
+        )
+    return _IPC_MODES[value]
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The file an ``ipc://`` endpoint binds, or None (tcp, abstract ``@``, wildcard ``*``)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    return None if path.startswith("@") or path == "*" else path
 
 
 class RouterServer:

@@ -26,6 +26,11 @@ Backpressure: the directory is the queue. A sender counts its own files there (r
 files are unlinked) and waits while there are ``max_pending_chunks``, up to
 ``pending_timeout_s``, then raises LinkError. Nothing is dropped silently.
 
+Ownership (``deltarl.ownership``): the link directory must be this user's and 0700 (it is
+made so), and the directories above it trusted; chunk files are written 0600 and a file that
+is not this user's, or that others may write, is refused; the notice socket is 0600. Else
+another user could swap a chunk under the receiver, or answer its notices.
+
 What this link does not promise: acknowledgements. On one host the only loss is a receiver
 crash, and a receiver that restarts gets a full version (docs/architecture.md, contract 4).
 """
@@ -33,6 +38,7 @@ crash, and a receiver that restarts gets a full version (docs/architecture.md, c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import mmap
@@ -48,6 +54,7 @@ import zmq
 import zmq.asyncio
 
 from deltarl.engine.segment import process_alive
+from deltarl.ownership import check_file, check_private_dir, check_trusted_dirs
 from deltarl.transport.base import (
     ChunkReceiver,
     ChunkSender,
@@ -61,6 +68,7 @@ from deltarl.transport.base import (
     manifest_mark,
 )
 from deltarl.transport.link_config import ShmLinkConfig
+from deltarl.transport.router import bind_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +113,15 @@ def remove_stale(directory: Path, *, chunk_files: bool) -> list[str]:
 
 
 def _make_directory(config: ShmLinkConfig) -> Path:
+    """The link directory, made 0700 if missing; UnsafePathError (a ConfigError) if it is not
+    this user's own private directory, or a directory above it is not trusted: another user
+    could swap chunk files in it (``deltarl.ownership``)."""
     directory = config.directory
-    directory.mkdir(mode=0o700, exist_ok=True)
+    what = f"shm link {config.name!r}"
+    check_trusted_dirs(directory.parent, what)
+    with contextlib.suppress(FileExistsError):  # checked below, whoever made it
+        directory.mkdir(mode=0o700)
+    check_private_dir(directory, what)
     return directory
 
 
@@ -179,7 +194,8 @@ class ShmSender(ChunkSender):
         directory = self.config.directory
         tmp = directory / f".{name.removesuffix('.bin')}.{secrets.token_hex(4)}.tmp"
         view = memoryview(data).cast("B")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(tmp, flags, 0o600)
         try:
             written = 0
             while written < len(view):  # os.write may write less than asked
@@ -252,12 +268,13 @@ class ShmReceiver(ChunkReceiver):
         sock = self._context.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.bind(self._endpoint)
-        except zmq.ZMQError as exc:
+            bind_endpoint(sock, self._endpoint)  # an ipc socket file: 0600, directory checked
+        except OSError as exc:
             sock.close()
-            raise OSError(
-                f"shm link {self.config.name!r}: cannot bind {self._endpoint}: {exc}"
-            ) from exc
+            raise OSError(f"shm link {self.config.name!r}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
 
     async def __anext__(self) -> Received:
@@ -370,7 +387,9 @@ class ShmReceiver(ChunkReceiver):
     ) -> tuple[mmap.mmap | None, bytes | memoryview]:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            found = os.fstat(fd).st_size
+            # Ours and writable by nobody else, or another user could change it under the
+            # mapping (the 0700 directory keeps others out anyway; this checks the file too).
+            found = check_file(fd, path, "chunk file").st_size
             if found != size:
                 raise ValueError(f"{path} holds {found} bytes, its notice says {size}")
             # mmap cannot map an empty file; an empty chunk needs no mapping.

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from deltarl.codecs.compression import ZstdFrameError, zstd_frame
+from deltarl.codecs.compression import ZstdFrameError, zstd_content_size, zstd_frame
 from deltarl.transport.base import MAX_VERSION
 
 HEADER = struct.Struct("<BQIQ")
@@ -107,15 +107,24 @@ async def read_message(
 
     WireError for a bad header; asyncio.IncompleteReadError for a stream cut mid-message.
     """
+    header = await read_header(reader, allowed, max_payload)
+    if header is None:
+        return None
+    payload = await reader.readexactly(header.length) if header.length else b""
+    return header, payload
+
+
+async def read_header(
+    reader: asyncio.StreamReader, allowed: Mapping[int, str], max_payload: int
+) -> Header | None:
+    """The next message's header (its payload not read), or None at a clean end of stream."""
     try:
         raw = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             return None
         raise
-    header = parse_header(raw, allowed, max_payload)
-    payload = await reader.readexactly(header.length) if header.length else b""
-    return header, payload
+    return parse_header(raw, allowed, max_payload)
 
 
 def compress(data: bytes | memoryview, level: int) -> tuple[bool, bytes | memoryview]:
@@ -124,6 +133,16 @@ def compress(data: bytes | memoryview, level: int) -> tuple[bool, bytes | memory
         return False, data
     packed = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
     return (True, packed) if len(packed) < len(data) else (False, data)
+
+
+def claimed_size(prefix: bytes, max_bytes: int, what: str) -> int:
+    """The decompressed size a zstd payload declares, from its first ``ZSTD_FRAME_HEADER_MAX``
+    bytes (or all of it, if shorter); WireError naming ``what`` if it is not one, has no size,
+    or claims more than ``max_bytes``."""
+    try:
+        return zstd_content_size(prefix, limit=max_bytes)
+    except ZstdFrameError as exc:
+        raise WireError(f"{what}: {exc}") from exc
 
 
 def decompress(payload: bytes, max_bytes: int, what: str) -> bytes:

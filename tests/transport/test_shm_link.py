@@ -248,7 +248,7 @@ def test_a_partial_chunk_file_is_never_visible_under_its_public_name(
 
 def test_stale_files_are_cleaned_on_start(config: ShmLinkConfig) -> None:
     directory = config.directory
-    directory.mkdir()
+    directory.mkdir(mode=0o700)  # as a link makes it: a laxer one is refused
     dead = dead_pid()
     stale = [
         "v4-c0.123-0.bin",  # a chunk file from before this receiver: its notice is gone
