@@ -9,6 +9,8 @@ control socket (``apply_control``). Control: ``status``, ``pause``, ``resume``, 
 
 from __future__ import annotations
 
+from functools import partial
+
 from deltarl.config.refit import ExportConfig
 from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
@@ -24,7 +26,8 @@ async def _build(cfg: ExportConfig, context: DaemonContext) -> ExportCore:
     watch = ReceiverWatch(feed, cfg.apply_control, cfg.apply_events, poll_s=cfg.poll_s)
     watch.start()
     context.on_close(watch.close)
-    return ExportCore(cfg, context, feed, make_sender(cfg.link), ManifestStore(cfg.manifest_store))
+    senders = partial(make_sender, cfg.link)
+    return ExportCore(cfg, context, feed, senders, ManifestStore(cfg.manifest_store))
 
 
 def main(argv: list[str]) -> int:

@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -126,13 +126,17 @@ class ExportCore(DaemonCore):
         config: ExportConfig,
         context: DaemonContext,
         feed: StateFeed,
-        sender: ChunkSender,
+        senders: Callable[[], ChunkSender],
         manifests: ManifestStore,
     ) -> None:
         self.config = config
         self.context = context
         self.feed = feed
-        self.sender = sender
+        self.senders = senders
+        """Makes the link's sender: a fresh one after every link error (a stream sender that
+        gave up stays failed), so a link that comes back carries the next send."""
+        self.sender: ChunkSender | None = None
+        self._spent = False
         self.manifests = manifests
         self.gate = PauseGate()
         self.store: WeightStore | None = None
@@ -165,37 +169,53 @@ class ExportCore(DaemonCore):
         cfg = self.config
         self.store = await self._open_published()
         self.encoder = DeltaEncoder(self.store.layout, chunk_bytes=cfg.chunk_bytes)
-        async with self.sender:
-            while not self.draining:
-                # 1) a version to send (a new one, or the newest again)? 2) a receiver to send
-                # it to? 3) ship it
-                published = self.store.active_version
-                receiver = self.feed.latest()
-                again = None if published != self.taken else self._again(receiver)
-                if self.gate.paused or published is None or (published == self.taken and not again):
-                    self.detail = "paused" if self.gate.paused else "idle"
-                    if self.retry_at is not None and not self.gate.paused:
-                        self.detail = "waiting to send the newest version again"
-                    await asyncio.sleep(cfg.poll_s)
-                    continue
-                if receiver is None:
-                    self.detail = "waiting for the apply agent"
-                    await self.feed.next(cfg.poll_s)
-                    continue
-                if not again and self._republished(published, receiver):
-                    self.taken = published
-                    continue
-                if again:
-                    self.retries += 1
-                    logger.info("version %d: sending it again (%s)", published, again)
-                self.retry_at = None
-                self.shipping = True
-                self._idle.clear()
-                try:
-                    await self._take_and_ship(receiver)
-                finally:
-                    self.shipping = False
-                    self._idle.set()
+        while not self.draining:
+            self._spent = False
+            try:
+                async with self.senders() as sender:
+                    self.sender = sender
+                    await self._serve()
+            except LinkError as e:
+                # The link could not start or close (no receiver in time, a spent stream):
+                # tolerated, a fresh sender is made after a pause.
+                logger.warning("export link: %s; trying a fresh sender", e)
+                await asyncio.sleep(RETRY_S)
+
+    async def _serve(self) -> None:
+        """Send versions through ``self.sender`` until draining, or until a link error has
+        spent it."""
+        assert self.store is not None  # opened in run()
+        cfg = self.config
+        while not self.draining and not self._spent:
+            # 1) a version to send (a new one, or the newest again)? 2) a receiver to send
+            # it to? 3) ship it
+            published = self.store.active_version
+            receiver = self.feed.latest()
+            again = None if published != self.taken else self._again(receiver)
+            if self.gate.paused or published is None or (published == self.taken and not again):
+                self.detail = "paused" if self.gate.paused else "idle"
+                if self.retry_at is not None and not self.gate.paused:
+                    self.detail = "waiting to send the newest version again"
+                await asyncio.sleep(cfg.poll_s)
+                continue
+            if receiver is None:
+                self.detail = "waiting for the apply agent"
+                await self.feed.next(cfg.poll_s)
+                continue
+            if not again and self._republished(published, receiver):
+                self.taken = published
+                continue
+            if again:
+                self.retries += 1
+                logger.info("version %d: sending it again (%s)", published, again)
+            self.retry_at = None
+            self.shipping = True
+            self._idle.clear()
+            try:
+                await self._take_and_ship(receiver)
+            finally:
+                self.shipping = False
+                self._idle.set()
 
     async def _take_and_ship(self, receiver: ReceiverState) -> None:
         assert self.store is not None  # opened in run()
@@ -341,12 +361,14 @@ class ExportCore(DaemonCore):
         # most about a full version's wire size. A full version encodes from our own copy and
         # may wait: its queue is bounded.
         outbox: asyncio.Queue[Chunk | None] = asyncio.Queue(4 if reason else 0)
+        sender = self.sender
+        assert sender is not None  # set by run() around _serve()
         sent = {"bytes": 0, "seconds": 0.0}
 
         async def send_all() -> None:
             while (chunk := await outbox.get()) is not None:
                 t = time.monotonic()
-                await self.sender.send_chunk(version, chunk.chunk_id, chunk.data)
+                await sender.send_chunk(version, chunk.chunk_id, chunk.data)
                 sent["seconds"] += time.monotonic() - t
                 sent["bytes"] += len(chunk.data)
 
@@ -371,11 +393,12 @@ class ExportCore(DaemonCore):
             assert manifest is not None  # set once the chunks are exhausted
             recorded = self._record(manifest)
             t = time.monotonic()
-            await self.sender.send_manifest(version, manifest.to_json())
+            await sender.send_manifest(version, manifest.to_json())
             sent_at = time.monotonic()
             send_s = sent["seconds"] + sent_at - t
             nbytes = sent["bytes"]
         except LinkError as e:
+            self._spent = True  # a fresh sender for the next send
             await self._failed(version, f"link: {e}", recorded=recorded)
             return
         finally:

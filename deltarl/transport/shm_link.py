@@ -162,7 +162,16 @@ class ShmSender(ChunkSender):
         await self._wait_for_receiver(sock)
         name = f"v{version}-c{chunk_id}.{self._pid}-{next(self._seq)}.bin"
         # Writing tens of megabytes into tmpfs and hashing them would stall the event loop.
-        size, checksum = await asyncio.to_thread(self._write, name, data)
+        try:
+            size, checksum = await asyncio.to_thread(self._write, name, data)
+        except OSError as e:
+            # Resource exhaustion (ENOSPC, EDQUOT: a full /dev/shm; EMFILE) is a failure of
+            # this send, not of the agent: the export agent fails the version and sends it
+            # again after a back-off, which succeeds once space is freed.
+            raise LinkError(
+                f"shm link {self.config.name!r}: cannot write chunk {chunk_id} of version "
+                f"{version} into {self.config.directory}: {e.strerror or e}"
+            ) from e
         await sock.send_multipart(
             [KIND_CHUNK, NOTICE.pack(version, chunk_id, size, checksum), name.encode()]
         )

@@ -73,14 +73,16 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def pair(tmp: Path, *, full_resync_every: int = 50) -> AsyncIterator[Pair]:
+async def pair(
+    tmp: Path, *, full_resync_every: int = 50, link_root: Path | None = None
+) -> AsyncIterator[Pair]:
     trainer = RealisticDeltas(PARAMS, seed=5)
     published = WeightStore.create("pub", trainer.layout, root=tmp)
     with published.begin_write() as txn:
         txn.buffer[:] = trainer.publish()
         txn.commit(trainer.version)
     rollout = WeightStore.create("roll", trainer.layout, root=tmp)
-    link = ShmLinkConfig(name="t", root=tmp, connect_timeout_s=10)
+    link = ShmLinkConfig(name="t", root=link_root or tmp, connect_timeout_s=10)
     feed = StateFeed()
     acfg = ApplyConfig(control="ipc:///unused", rollout_store="roll", link=link, heartbeat_s=0.2)
     ecfg = ExportConfig(
@@ -96,7 +98,11 @@ async def pair(tmp: Path, *, full_resync_every: int = 50) -> AsyncIterator[Pair]
     )
     apply = ApplyCore(acfg, FeedContext("apply", feed), rollout, make_receiver(link))
     export = ExportCore(
-        ecfg, FeedContext("export"), feed, make_sender(link), ManifestStore(ecfg.manifest_store)
+        ecfg,
+        FeedContext("export"),
+        feed,
+        lambda: make_sender(link),
+        ManifestStore(ecfg.manifest_store),
     )
     tasks = [asyncio.create_task(apply.run()), asyncio.create_task(export.run())]
     try:
