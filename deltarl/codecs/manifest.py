@@ -126,7 +126,9 @@ def _check_bounds(m: RefitManifest) -> None:
         if not (0 <= t.changed <= MAX_INT and 0 <= t.wire_bytes <= MAX_INT):
             raise ManifestError(f"tensor {i} ({t.name!r}): changed or wire_bytes out of range")
     for c in m.chunks:
-        if not (0 <= c.id < 1 << 32 and 0 <= c.size <= MAX_INT and 0 <= c.xxh3_64 < 1 << 64):
-            raise ManifestError(f"chunk {c.id}: id, size or checksum out of range")
+        if not 0 <= c.id < 1 << 32:
+            raise ManifestError(f"chunk id {c.id} out of range")
+        if not (0 <= c.size <= MAX_INT and 0 <= c.xxh3_64 < 1 << 64):
+            raise ManifestError(f"chunk {c.id}: size or checksum out of range")
     if len(m.model_xxh3_128) > MAX_TEXT:
         raise ManifestError(f"the model checksum is over {MAX_TEXT} characters")
