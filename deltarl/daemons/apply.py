@@ -10,6 +10,7 @@ senders and a ``ReceiverWatch`` per child. Control: ``status``, ``resync``, ``ro
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 
 from deltarl.config import ConfigError
@@ -55,6 +56,12 @@ async def open_rollout_store(cfg: ApplyConfig) -> WeightStore:
         return WeightStore.create(cfg.rollout_store, layout, root=cfg.store_root)
     except FileExistsError:
         return WeightStore.open(cfg.rollout_store, root=cfg.store_root, layout=layout)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        # A store that does not fit is a capacity setting (store_root, the tmpfs size), not
+        # a crash to restart in a loop: exit 78, which the units do not restart on.
+        raise ConfigError(f"{e.strerror}; free space there or set store_root") from None
 
 
 async def _build(cfg: ApplyConfig, context: DaemonContext) -> ApplyCore:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,3 +70,28 @@ def test_the_export_agent_sends_again_once_there_is_room(small_shm: Path, tmp_pa
             await p.active(0)
 
     asyncio.run(scenario())
+
+
+def test_an_apply_agent_whose_store_does_not_fit_exits_78(small_shm: Path, tmp_path: Path) -> None:
+    from deltarl.engine.layout import Layout  # noqa: PLC0415
+
+    layout = tmp_path / "layout.json"
+    layout.write_bytes(Layout.pack([("w", "bfloat16", (1 << 20,))]).to_json())  # 2 x 2 MiB
+    config = tmp_path / "deltarl.toml"
+    config.write_text(f"""
+[daemons.apply]
+control = "ipc://{tmp_path}/apply.sock"
+rollout_store = "r"
+store_root = "{small_shm}"
+layout_file = "{layout}"
+link = {{type = "shm", name = "n", root = "{tmp_path}"}}
+""")
+    done = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "apply", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 78, done.stderr  # EX_CONFIG: systemd does not loop on it
+    assert "no room for weight store 'r'" in done.stderr
