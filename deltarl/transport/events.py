@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 import zmq
 import zmq.asyncio
 
+from deltarl.transport.curve import CurveKeys, secure_client, secure_server
 from deltarl.transport.messages import (
     EVENTS,
     MAX_MESSAGE_BYTES,
@@ -20,7 +21,7 @@ from deltarl.transport.messages import (
     decode_event,
     encode_event,
 )
-from deltarl.transport.router import bind_endpoint, check_endpoint
+from deltarl.transport.router import FROM_ENV, bind_endpoint, check_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,16 @@ class EventPublisher:
     subscriber that must not miss a version asks ``status`` after it connects.
     """
 
-    def __init__(self, endpoint: str, *, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        curve: CurveKeys | None = FROM_ENV,
+    ) -> None:
         self._endpoint = check_endpoint(endpoint)
         self._context = context or zmq.asyncio.Context.instance()
+        self._curve = CurveKeys.from_env() if curve is FROM_ENV else curve
         self._sock: zmq.asyncio.Socket | None = None
 
     @property
@@ -48,6 +56,9 @@ class EventPublisher:
             return self._endpoint
         sock = self._context.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
+        # tcp://: the same CURVE keys as the control sockets, so only the cluster's own
+        # daemons can subscribe (the receiver state drives the export agent's reference).
+        secure_server(sock, self._endpoint, self._curve)
         self._endpoint = bind_endpoint(sock, self._endpoint)
         self._sock = sock
         return self._endpoint
@@ -77,6 +88,7 @@ class EventSubscriber:
         *,
         events: Mapping[str, type[Event]] = EVENTS,
         context: zmq.asyncio.Context | None = None,
+        curve: CurveKeys | None = FROM_ENV,
     ) -> None:
         self.endpoint = check_endpoint(endpoint)
         self._events = events
@@ -85,6 +97,8 @@ class EventSubscriber:
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
         for topic in topics:
             self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        keys = CurveKeys.from_env() if curve is FROM_ENV else curve
+        secure_client(self._sock, self.endpoint, keys)
         self._sock.connect(self.endpoint)
 
     async def receive(self) -> Event:

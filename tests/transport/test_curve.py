@@ -15,7 +15,8 @@ import zmq.auth
 
 from deltarl.transport.control import ControlClient, ControlServer, ControlTimeoutError
 from deltarl.transport.curve import CurveKeyError, CurveKeys, make_keys
-from deltarl.transport.messages import GetStatus, Status
+from deltarl.transport.events import EventPublisher, EventSubscriber
+from deltarl.transport.messages import GetStatus, Status, VersionApplied
 
 
 async def _status(endpoint: str, curve: CurveKeys | None) -> Status | None:
@@ -114,3 +115,39 @@ def test_deltarl_keys_command(tmp_path: Path) -> None:
     assert oct((tmp_path / "k").stat().st_mode & 0o777) == "0o700"
     assert oct((tmp_path / "k" / "server.key_secret").stat().st_mode & 0o777) == "0o600"
     CurveKeys.load(tmp_path / "k")
+
+
+def test_events_over_tcp_reach_only_authorized_subscribers(tmp_path: Path) -> None:
+    # The receiver state travels as events and moves the export agent's reference: a
+    # subscriber without the cluster's key must not get them (nor could a stranger's PUB
+    # feed an authorized SUB, since the SUB checks the server key).
+    keys = CurveKeys.load(make_keys(tmp_path / "keys"))
+
+    async def go() -> tuple[bool, bool]:
+        publisher = EventPublisher("tcp://127.0.0.1:*", curve=keys)
+        endpoint = publisher.bind()
+        authorized = EventSubscriber(endpoint, curve=keys)
+        anonymous = EventSubscriber(endpoint, curve=None)
+
+        async def heard(sub: EventSubscriber) -> bool:
+            try:
+                await asyncio.wait_for(sub.receive(), 0.2)
+            except TimeoutError:
+                return False
+            return True
+
+        got = {"authorized": False, "anonymous": False}
+        try:
+            for _ in range(15):  # publish until the authorized one hears (joins are async)
+                await publisher.publish(VersionApplied(1))
+                got["authorized"] = got["authorized"] or await heard(authorized)
+                got["anonymous"] = got["anonymous"] or await heard(anonymous)
+        finally:
+            authorized.close()
+            anonymous.close()
+            publisher.close()
+        return got["authorized"], got["anonymous"]
+
+    authorized, anonymous = asyncio.run(go())
+    assert authorized
+    assert not anonymous
