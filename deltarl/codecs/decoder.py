@@ -107,6 +107,25 @@ class DecodedChunk:
     wire_bytes: int
 
 
+def check_frame(data: bytes | bytearray | memoryview) -> FrameHeader:
+    """The frame's header, once the frame is whole (its length is the header's) and its
+    checksum holds; FrameError otherwise. Reads nothing else of the body."""
+    buf = memoryview(data).cast("B")
+    header = FrameHeader.parse(buf)
+    if len(buf) != HEADER_SIZE + header.body_len:
+        what = "truncated" if len(buf) < HEADER_SIZE + header.body_len else "oversized"
+        raise FrameError(
+            f"{what} frame: {len(buf)} bytes, header says {HEADER_SIZE + header.body_len}"
+        )
+    actual = chunk_checksum([buf[:CHECKSUM_OFFSET], buf[HEADER_SIZE:]])
+    if actual != header.checksum:
+        raise FrameError(
+            f"chunk {header.chunk_id} of version {header.target}: checksum mismatch "
+            f"(frame says {header.checksum:016x}, bytes hash to {actual:016x})"
+        )
+    return header
+
+
 def decode_chunk(
     data: bytes | bytearray | memoryview,
     layout: Layout,
@@ -138,19 +157,8 @@ def _decode_chunk(
     scratch: DecodeScratch | None,
 ) -> DecodedChunk:
     buf = memoryview(data).cast("B")
-    header = FrameHeader.parse(buf)
-    if len(buf) != HEADER_SIZE + header.body_len:
-        what = "truncated" if len(buf) < HEADER_SIZE + header.body_len else "oversized"
-        raise FrameError(
-            f"{what} frame: {len(buf)} bytes, header says {HEADER_SIZE + header.body_len}"
-        )
+    header = check_frame(buf)
     body = buf[HEADER_SIZE:]
-    actual = chunk_checksum([buf[:CHECKSUM_OFFSET], body])
-    if actual != header.checksum:
-        raise FrameError(
-            f"chunk {header.chunk_id} of version {header.target}: checksum mismatch "
-            f"(frame says {header.checksum:016x}, bytes hash to {actual:016x})"
-        )
     check_versions(header, base, target)
 
     tables = header.n_records * RECORD.size + header.n_streams * STREAM.size

@@ -56,11 +56,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from deltarl.codecs.checksum import chunk_checksum, model_digest, tensor_digests
-from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
+from deltarl.codecs.checksum import model_digest, tensor_digests
+from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply, check_frame
 from deltarl.codecs.frame import (
-    CHECKSUM_OFFSET,
-    HEADER_SIZE,
     KIND_FULL,
     NO_BASE,
     FrameError,
@@ -222,25 +220,11 @@ class ApplyCore(DaemonCore):
             if self.job is not None and self.job.version == item.version:
                 await self._fail(item.version, f"{type(e).__name__}: {e}")
 
-    def _unsound(self, chunk: ReceivedChunk) -> str | None:
-        """Why the chunk is not a whole frame with a matching checksum (None: it is)."""
-        buf = memoryview(chunk.data).cast("B")
-        try:
-            header = FrameHeader.parse(buf)
-        except FrameError as e:
-            return f"unreadable: {e}"
-        if len(buf) != HEADER_SIZE + header.body_len:
-            return f"{len(buf)} bytes, its header says {HEADER_SIZE + header.body_len}"
-        if chunk_checksum([buf[:CHECKSUM_OFFSET], buf[HEADER_SIZE:]]) != header.checksum:
-            return "checksum mismatch"
-        if header.target != chunk.version:
-            return f"labelled version {chunk.version} but its frame says {header.target}"
-        return None
-
     async def _on_chunk(self, chunk: ReceivedChunk) -> None:
         try:
-            why = self._unsound(chunk)
-            if why is not None:
+            # Whole, with a matching checksum, and the version it was delivered as?
+            header, why = _sound_header(chunk)
+            if header is None:
                 # Unverified: it may not open a version or mark one failed. Only the version
                 # open now, which cannot complete without this chunk, fails (a full one is
                 # sent at once instead of waiting for the export agent's ack timeout).
@@ -252,7 +236,6 @@ class ApplyCore(DaemonCore):
                 if self.job is not None and self.job.version == chunk.version:
                     await self._fail(chunk.version, f"chunk {chunk.chunk_id} {why}")
                 return
-            header = FrameHeader.parse(memoryview(chunk.data).cast("B"))
             base = None if header.kind == KIND_FULL else header.base
             job = await self._job_for(header.target, base)
             if job is None:
@@ -523,3 +506,15 @@ def _check_versions(version: int, base: int | None, label: int) -> None:
         raise ValueError(f"base {base} is not a version below {version}")
     if version != label:
         raise ValueError(f"delivered as version {label} but it says {version}")
+
+
+def _sound_header(chunk: ReceivedChunk) -> tuple[FrameHeader | None, str]:
+    """The chunk's header if its frame is whole, its checksum holds and it is of the version
+    it was delivered as; else (None, why)."""
+    try:
+        header = check_frame(chunk.data)
+    except FrameError as e:
+        return None, f"refused: {e}"
+    if header.target != chunk.version:
+        return None, f"labelled version {chunk.version} but its frame says {header.target}"
+    return header, ""
