@@ -37,8 +37,8 @@ import zmq
 import zmq.asyncio
 
 from deltarl.transport.control import DEFAULT_TIMEOUT
-from deltarl.transport.curve import CurveKeys, secure_client
-from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint
+from deltarl.transport.curve import CurveKeys
+from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint, connect_dealer
 
 logger = logging.getLogger(__name__)
 
@@ -255,12 +255,8 @@ class BlobClient:
 
     def _connect(self) -> zmq.asyncio.Socket:
         if self._sock is None:
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes + 4096)
-            secure_client(sock, self.endpoint, self._curve)
-            sock.connect(self.endpoint)
-            self._sock = sock
+            cap = 2 * self._max_bytes + 4096
+            self._sock = connect_dealer(self._context, self.endpoint, self._curve, cap)
         return self._sock
 
     def _reset(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Self
 import zmq
 import zmq.asyncio
 
-from deltarl.transport.curve import CurveKeys, secure_client
+from deltarl.transport.curve import CurveKeys
 from deltarl.transport.messages import (
     COMMANDS,
     MAX_MESSAGE_BYTES,
@@ -37,7 +37,7 @@ from deltarl.transport.messages import (
     encode_request,
     peek_request_id,
 )
-from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint
+from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint, connect_dealer
 
 logger = logging.getLogger(__name__)
 
@@ -274,11 +274,7 @@ class ControlClient:
 
     def _connect(self) -> zmq.asyncio.Socket:
         if self._sock is None:
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, 16 * self._max_bytes)
-            secure_client(sock, self.endpoint, self._curve)
-            sock.connect(self.endpoint)
+            sock = connect_dealer(self._context, self.endpoint, self._curve, 16 * self._max_bytes)
             self._sock = sock
             self._reader = asyncio.create_task(self._read(sock), name=f"ctl:{self.endpoint}")
             self._reader.add_done_callback(self._reader_done)

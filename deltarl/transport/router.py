@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from deltarl.config.errors import ConfigError
 from deltarl.ownership import check_socket_dir
-from deltarl.transport.curve import CurveKeys, secure_server
+from deltarl.transport.curve import CurveKeys, secure_client, secure_server
 
 SCHEMES = ("ipc://", "tcp://")
 
@@ -90,6 +90,19 @@ def ipc_path(endpoint: str) -> str | None:
         return None
     path = endpoint.removeprefix("ipc://")
     return None if path.startswith("@") or path == "*" else path
+
+
+def connect_dealer(
+    context: zmq.asyncio.Context, endpoint: str, curve: CurveKeys | None, hard_cap_bytes: int
+) -> zmq.asyncio.Socket:
+    """A client's DEALER socket to a RouterServer at ``endpoint``: CURVE on ``tcp://`` with
+    ``curve``, replies over ``hard_cap_bytes`` dropped by libzmq, nothing lingering on close."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, hard_cap_bytes)
+    secure_client(sock, endpoint, curve)
+    sock.connect(endpoint)
+    return sock
 
 
 class RouterServer:
