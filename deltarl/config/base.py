@@ -21,6 +21,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below the shortest TimeoutStopSec of the units
 class DaemonTable:
     """What every daemon's table has."""
 
+    control: str
+    """The daemon's control endpoint (``ipc://PATH`` or ``tcp://HOST:PORT``)."""
     drain_timeout_s: float = field(default=DEFAULT_DRAIN_TIMEOUT_S, kw_only=True)
 
     def __post_init__(self) -> None:

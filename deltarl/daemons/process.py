@@ -20,8 +20,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from deltarl.config import EX_CONFIG, ConfigError, load
+from deltarl.config.base import DaemonTable
 from deltarl.engine import loop
-from deltarl.engine.daemon import DEFAULT_DRAIN_TIMEOUT_S, DaemonContext, DaemonCore, serve
+from deltarl.engine.daemon import DaemonContext, DaemonCore, serve
 from deltarl.engine.supervisor import EscalationError
 from deltarl.transport.curve import CurveKeyError
 
@@ -57,7 +58,9 @@ def daemon_main(
         return EX_CONFIG
 
 
-def run(name: str, cfg: Any, build: Callable[[Any, DaemonContext], Awaitable[DaemonCore]]) -> int:  # noqa: ANN401 - any daemon's config class
+def run(
+    name: str, cfg: DaemonTable, build: Callable[[Any, DaemonContext], Awaitable[DaemonCore]]
+) -> int:
     """Serve one daemon whose config is loaded; the exit status (ConfigError propagates)."""
 
     async def make(context: DaemonContext) -> DaemonCore:
@@ -67,8 +70,8 @@ def run(name: str, cfg: Any, build: Callable[[Any, DaemonContext], Awaitable[Dae
         name,
         cfg.control,
         make,
-        events=getattr(cfg, "events", None),
-        drain_timeout_s=getattr(cfg, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S),
+        events=getattr(cfg, "events", None),  # only the daemons that publish have one
+        drain_timeout_s=cfg.drain_timeout_s,
     )
     try:
         loop.run(main)
