@@ -1,4 +1,5 @@
-"""Checksums: xxh3-64 over a chunk's wire bytes, xxh3-128 over each tensor after apply.
+"""Checksums: xxh3-64 over a chunk's wire bytes, xxh3-128 over each tensor after apply;
+BLAKE2b-256 over a chunk where the manifest is sealed (manifest_seal.py).
 
 The whole-model checksum is the xxh3-128 of the concatenated per-tensor digests in layout
 order: it changes if any tensor changes or if tensors are reordered, and it costs nothing
@@ -7,6 +8,7 @@ once the tensors are hashed.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -38,3 +40,13 @@ def model_digest(digests: Iterable[str]) -> str:
     for d in digests:
         h.update(bytes.fromhex(d))
     return h.hexdigest()
+
+
+CHUNK_HASH_HEX = 64  # BLAKE2b-256, hex
+
+
+def chunk_hash(data: bytes | bytearray | memoryview) -> str:
+    """BLAKE2b-256 of a chunk's wire bytes, as hex: the cryptographic hash a sealed manifest
+    lists per chunk (xxh3-64 catches corruption; it does not stop a forger making a collision).
+    hashlib releases the GIL while it hashes, so encode and apply threads hash in parallel."""
+    return hashlib.blake2b(data, digest_size=32, person=b"deltarl-chunk").hexdigest()

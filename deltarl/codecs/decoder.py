@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deltarl.codecs import kernels
-from deltarl.codecs.checksum import chunk_checksum, model_digest, tensor_digest
+from deltarl.codecs.checksum import chunk_checksum, chunk_hash, model_digest, tensor_digest
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
     HEADER_SIZE,
@@ -265,13 +265,18 @@ class VersionApply:
         *,
         base: int | None,
         version: int,
+        hash_chunks: bool = False,
     ) -> None:
+        """``hash_chunks``: hash each chunk applied (BLAKE2b-256), and let ``verify`` pass
+        only if the manifest lists the same hash for every chunk: for sealed manifests."""
         self.layout = layout
         self.target = target
         self.reference = reference
         self.base = base
         self.version = version
+        self.hash_chunks = hash_chunks
         self.applied: dict[int, int] = {}  # chunk id -> checksum
+        self.hashes: dict[int, str] = {}  # chunk id -> BLAKE2b-256, with hash_chunks
 
     def apply(self, data: bytes | bytearray | memoryview) -> bool:
         """Apply one chunk; False if it was a duplicate and changed nothing."""
@@ -297,6 +302,8 @@ class VersionApply:
                 f"writing it; the target is partly written ({exc!r})"
             ) from exc
         self.applied[header.chunk_id] = header.checksum
+        if self.hash_chunks:
+            self.hashes[header.chunk_id] = chunk_hash(data)
         return True
 
     def verify(self, manifest: RefitManifest) -> None:
@@ -317,6 +324,13 @@ class VersionApply:
                 f"version {self.version}: applied chunks disagree with the manifest "
                 f"(checksum differs: {wrong[:10]}, not listed: {extra[:10]})"
             )
+        if self.hash_chunks:
+            forged = [c.id for c in manifest.chunks if self.hashes.get(c.id) != c.blake2b]
+            if forged:
+                raise FrameError(
+                    f"version {self.version}: chunks {forged[:10]} do not match the manifest's "
+                    f"BLAKE2b-256 (their xxh3-64 did): forged, or the manifest lists no hashes"
+                )
         verify_tensors(self.layout, self.target, manifest)
 
 

@@ -8,7 +8,7 @@ first chunk can be sent while later tensors are still being diffed:
     3) choose each tensor's position coding from its changed ratio and exact coded sizes;
     4) pack the wave's records into chunks of at most chunk_bytes before compression (at
        least one chunk per wave, so sending starts after the first wave), zstd the byte
-       planes of dense records, checksum, yield.
+       planes of dense records, checksum (and, with ``hash_chunks``, BLAKE2b-256), yield.
 
 The reference must be exactly what the receivers hold (docs/architecture.md, "Why it pays:
 the reference": the last transmitted version, never the trainer's previous step if it was not
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltarl.codecs import kernels
-from deltarl.codecs.checksum import model_digest, tensor_digest
+from deltarl.codecs.checksum import chunk_hash, model_digest, tensor_digest
 from deltarl.codecs.compression import DEFAULT_LEVEL, PlaneCompressor
 from deltarl.codecs.frame import (
     KIND_DELTA,
@@ -86,7 +86,10 @@ class DeltaEncoder:
         value_coding: int = VAL_ORDERED_DELTA,
         level: int = DEFAULT_LEVEL,
         item_elems: int = DEFAULT_ITEM_ELEMS,
+        hash_chunks: bool = False,
     ) -> None:
+        """``hash_chunks``: list a BLAKE2b-256 hash of each chunk in the manifest (needed to
+        seal it, deltarl/codecs/manifest_seal.py); it costs a hash of the wire bytes."""
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
         if not 0.0 <= dense_threshold <= 1.0:
@@ -97,6 +100,7 @@ class DeltaEncoder:
         self.chunk_bytes = chunk_bytes
         self.dense_threshold = dense_threshold
         self.value_coding = value_coding
+        self.hash_chunks = hash_chunks
         self._compressor = PlaneCompressor(level)
         # A record's raw size is at most ~2.3x its model bytes (worst-case Rice); items of at
         # most a quarter chunk of 8-byte elements keep every record well inside one chunk.
@@ -163,8 +167,9 @@ class DeltaEncoder:
             t0 = time.perf_counter()
             chunk_id = first_id + len(entries)
             chunk = pack_chunk(self._compressor, kind, base, target, chunk_id, pending, tallies)
+            strong = chunk_hash(chunk.data) if self.hash_chunks else ""
             enc.timings.pack_s += time.perf_counter() - t0
-            entries.append(ChunkEntry(chunk.chunk_id, len(chunk.data), chunk.checksum))
+            entries.append(ChunkEntry(chunk.chunk_id, len(chunk.data), chunk.checksum, strong))
             pending, pending_bytes, pending_sparse = [], 0, 0
             return chunk
 

@@ -59,6 +59,17 @@ from dataclasses import dataclass
 MAGIC = b"DRLF"
 FORMAT_VERSION = 1
 NO_BASE = -1
+# Each send of a version numbers its chunks from its own slot of the u32 chunk id range, so a
+# receiver tells a re-send from late chunks of an earlier attempt (and links that dedup by
+# (version, chunk id) deliver the re-send): 16 TiB of 16 MiB chunks per send, 4096 slots.
+CHUNKS_PER_SEND = 1 << 20
+SEND_SLOTS = 1 << 12  # CHUNKS_PER_SEND * SEND_SLOTS = 2**32
+
+
+def send_slot(chunk_id: int) -> int:
+    """Which send of its version a chunk id belongs to."""
+    return chunk_id // CHUNKS_PER_SEND
+
 
 KIND_DELTA = 1
 KIND_FULL = 2

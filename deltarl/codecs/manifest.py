@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from deltarl.codecs.checksum import CHUNK_HASH_HEX
 from deltarl.codecs.frame import KIND_NAMES, NO_BASE
 
 # What a receiver reads before parsing (a manifest comes off the network): a 1 TB model sent in
@@ -44,6 +45,7 @@ class ChunkEntry:
     id: int
     size: int  # wire bytes, header included
     xxh3_64: int
+    blake2b: str = ""  # BLAKE2b-256 hex of the wire bytes where the manifest is sealed, else ""
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,12 @@ class RefitManifest:
                     for t in obj["tensors"]
                 ],
                 chunks=[
-                    ChunkEntry(id=int(c["id"]), size=int(c["size"]), xxh3_64=int(c["xxh3_64"]))
+                    ChunkEntry(
+                        id=int(c["id"]),
+                        size=int(c["size"]),
+                        xxh3_64=int(c["xxh3_64"]),
+                        blake2b=str(c.get("blake2b", "")),
+                    )
                     for c in obj["chunks"]
                 ],
                 model_xxh3_128=str(obj["model_xxh3_128"]),
@@ -130,5 +137,11 @@ def _check_bounds(m: RefitManifest) -> None:
             raise ManifestError(f"chunk id {c.id} out of range")
         if not (0 <= c.size <= MAX_INT and 0 <= c.xxh3_64 < 1 << 64):
             raise ManifestError(f"chunk {c.id}: size or checksum out of range")
+        if c.blake2b and (len(c.blake2b) != CHUNK_HASH_HEX or not _is_hex(c.blake2b)):
+            raise ManifestError(f"chunk {c.id}: blake2b is not {CHUNK_HASH_HEX} hex digits")
     if len(m.model_xxh3_128) > MAX_TEXT:
         raise ManifestError(f"the model checksum is over {MAX_TEXT} characters")
+
+
+def _is_hex(text: str) -> bool:
+    return all(ch in "0123456789abcdef" for ch in text)

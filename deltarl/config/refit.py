@@ -116,7 +116,12 @@ class ApplyConfig(DaemonTable):
     relay: tuple[RelayTarget, ...] = ()
     """Further apply agents this one relays every chunk to (``[[daemons.apply.relay]]``
     tables); see deltarl/refit/relay.py."""
+    stalled_job_s: float = 30.0
+    """A version being applied that has received nothing for this long no longer makes older
+    versions wait: they may replace it. A version is proven only by its manifest, which comes
+    last, so until then its chunks are unproven (forged, or from a sender that died); without
+    this bound they would hold off every older real version for good."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        positive(self, "heartbeat_s", "layout_wait_s")
+        positive(self, "heartbeat_s", "layout_wait_s", "stalled_job_s")

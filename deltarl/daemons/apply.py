@@ -23,6 +23,7 @@ from deltarl.refit.apply import ApplyCore
 from deltarl.refit.receiver_state import StateFeed
 from deltarl.refit.relay import Relay
 from deltarl.transport.base import make_receiver, make_sender
+from deltarl.transport.data_keys import DataKeys
 from deltarl.transport.receiver_watch import ReceiverWatch
 
 
@@ -72,7 +73,9 @@ async def _build(cfg: ApplyConfig, context: DaemonContext) -> ApplyCore:
         watch = ReceiverWatch(feed, target.control, target.events, on_update=relay.heard)
         watch.start()
         context.on_close(watch.close)
-    return ApplyCore(cfg, context, store, make_receiver(cfg.link), relay)
+    keys = DataKeys.from_env()  # the manifest MAC key, with the control plane's CURVE keys
+    mac_key = None if keys is None else keys.mac_key
+    return ApplyCore(cfg, context, store, make_receiver(cfg.link), relay, mac_key)
 
 
 def main(argv: list[str]) -> int:

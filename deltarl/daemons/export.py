@@ -18,6 +18,7 @@ from deltarl.refit.export import ExportCore
 from deltarl.refit.manifest_store import ManifestStore
 from deltarl.refit.receiver_state import StateFeed
 from deltarl.transport.base import make_sender
+from deltarl.transport.data_keys import DataKeys
 from deltarl.transport.receiver_watch import ReceiverWatch
 
 
@@ -27,7 +28,9 @@ async def _build(cfg: ExportConfig, context: DaemonContext) -> ExportCore:
     watch.start()
     context.on_close(watch.close)
     senders = partial(make_sender, cfg.link)
-    return ExportCore(cfg, context, feed, senders, ManifestStore(cfg.manifest_store))
+    keys = DataKeys.from_env()  # the manifest MAC key, with the control plane's CURVE keys
+    mac_key = None if keys is None else keys.mac_key
+    return ExportCore(cfg, context, feed, senders, ManifestStore(cfg.manifest_store), mac_key)
 
 
 def main(argv: list[str]) -> int:

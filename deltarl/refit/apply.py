@@ -30,10 +30,16 @@ Nothing on the wire can take the agent down or change what it will accept later:
   counted (``refused_items``) and fails only the version open now, which it names (that
   version cannot complete without it);
 - a manifest is checked field by field (versions in range, the version above its base)
-  before it is used; a bad one is counted and changes nothing;
-- a failure is remembered with the base it was sent on, and only a send of the same version
-  on that base is ignored later: a version failed by one bad attempt (or by a forged one) is
-  accepted again when it is re-sent, in full or on another base;
+  before it is used; a bad one is counted and changes nothing. With the cluster's data key,
+  its seal (a MAC, deltarl/codecs/manifest_seal.py) is checked before anything else, and
+  each chunk applied must match the BLAKE2b-256 the sealed manifest lists for it: a forger
+  without the key can make a version fail (as a cut link can), never activate one;
+- a failure is remembered with the attempt that failed (its base, and which send of the
+  version: the chunk ids' ``send_slot``), and only that attempt's late chunks are ignored: a
+  version failed by one bad attempt (or a forged one) is accepted when it is sent again;
+- a version whose chunks stop coming (``stalled_job_s``) no longer holds off older versions,
+  and is not remembered as failed: unproven chunks (a forger's, a dead sender's) cannot
+  block the real versions for good;
 - a delta on a base the agent does not hold is refused and reported, and neither remembered
   nor asking for a full version: the export agent sees from the receiver state that the
   bases differ, and the same delta is valid once the agent holds its base.
@@ -63,8 +69,10 @@ from deltarl.codecs.frame import (
     NO_BASE,
     FrameError,
     FrameHeader,
+    send_slot,
 )
 from deltarl.codecs.manifest import ManifestError, RefitManifest
+from deltarl.codecs.manifest_seal import SealError, open_sealed
 from deltarl.config.refit import ApplyConfig
 from deltarl.engine.daemon import DaemonContext, DaemonCore
 from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
@@ -93,6 +101,7 @@ KEEP_UNSOUND = 8  # versions whose refused chunk ids are remembered
 class _Job:
     version: int
     base: int | None
+    slot: int  # which send of the version (frame.send_slot of its chunk ids)
     txn: WriteTxn
     apply: VersionApply
     started: float
@@ -101,6 +110,8 @@ class _Job:
     """Seconds spent applying this version's chunks."""
     open_s: float = 0.0
     """Seconds spent opening the write (and copying the active buffer for a delta)."""
+    heard_at: float = 0.0
+    """Monotonic time the job last received a chunk or its manifest (stalled_job_s)."""
 
 
 class ApplyCore(DaemonCore):
@@ -113,16 +124,22 @@ class ApplyCore(DaemonCore):
         store: WeightStore,
         receiver: ChunkReceiver,
         relay: Relay | None = None,
+        mac_key: bytes | None = None,
     ) -> None:
+        """``mac_key``: the cluster's data key (deltarl/transport/data_keys.py). With it, only
+        manifests sealed under it are used, and every chunk must match the BLAKE2b-256 they
+        list; without it, a sealed manifest is refused (this agent could not check it)."""
         self.config = config
+        self.mac_key = mac_key
         self.context = context
         self.store = store
         self.receiver = receiver
         self.relay = relay or Relay(())
         self.session = secrets.token_hex(8)
         self.job: _Job | None = None
-        # version -> ("applied", base) or ("failed", the base of the attempt that failed)
-        self.finished: dict[int, tuple[str, int | None]] = {}
+        # version -> ("applied", base, slot) or ("failed", base, slot) of the attempt that
+        # failed: only that attempt's late chunks are ignored, never a re-send
+        self.finished: dict[int, tuple[str, int | None, int]] = {}
         self.needs_full = store.active_version is None
         self.applied_state: dict[str, Any] = {}  # ReceiverState's applied_* figures
         self.failed_state: tuple[int, str] | None = None
@@ -130,6 +147,7 @@ class ApplyCore(DaemonCore):
         self.applied = 0
         self.refused = 0
         self.refused_items = 0  # chunks and manifests refused before any use (counted, logged)
+        self.seal_failures = 0  # of those, manifests whose seal did not hold (forged?)
         # version -> chunk id -> why it was refused: a version whose manifest lists one of
         # them fails at once, instead of waiting for a chunk that is not coming
         self.unsound: dict[int, dict[int, str]] = {}
@@ -237,10 +255,10 @@ class ApplyCore(DaemonCore):
                     await self._fail(chunk.version, f"chunk {chunk.chunk_id} {why}")
                 return
             base = None if header.kind == KIND_FULL else header.base
-            job = await self._job_for(header.target, base)
+            job = await self._job_for(header.target, base, send_slot(header.chunk_id))
             if job is None:
                 return
-            t = time.monotonic()
+            t = job.heard_at = time.monotonic()
             try:
                 await asyncio.to_thread(job.apply.apply, chunk.data)
             except (FrameError, ValueError) as e:
@@ -253,7 +271,12 @@ class ApplyCore(DaemonCore):
 
     async def _on_manifest(self, item: ReceivedManifest) -> None:
         try:
-            manifest = RefitManifest.from_json(item.data)
+            try:
+                body = open_sealed(item.data, self.mac_key)
+            except SealError:
+                self.seal_failures += 1
+                raise
+            manifest = RefitManifest.from_json(body)
             base = None if manifest.base_version == NO_BASE else manifest.base_version
             _check_versions(manifest.version, base, item.version)
         except (ManifestError, ValueError) as e:
@@ -261,28 +284,41 @@ class ApplyCore(DaemonCore):
             self.refused_items += 1
             logger.warning("dropping a malformed manifest for version %d: %s", item.version, e)
             return
-        job = await self._job_for(manifest.version, base)
+        slot = send_slot(manifest.chunks[0].id) if manifest.chunks else 0
+        job = await self._job_for(manifest.version, base, slot)
         if job is not None:
             job.manifest = manifest
+            job.heard_at = time.monotonic()
             await self._maybe_finish()
 
-    async def _job_for(self, version: int, base: int | None) -> _Job | None:
+    async def _job_for(self, version: int, base: int | None, slot: int) -> _Job | None:
         """The open job for ``version``, opened if it is new; None to ignore this item."""
         job = self.job
         if job is not None and job.version == version:
-            if job.base == base:
+            if (job.base, job.slot) == (base, slot):
                 return job
-            # The same version again on another base: a restarted export agent re-sent it
-            # (in full). The half-applied job is dropped; the new one starts from scratch.
+            # The same version sent again (another base, or another send of it): the export
+            # agent re-sent it. The half-applied job is dropped; the new one starts afresh.
             logger.warning(
-                "version %d re-sent on base %s (was %s): starting over", version, base, job.base
+                "version %d re-sent (base %s, send %d; was base %s, send %d): starting over",
+                version,
+                base,
+                slot,
+                job.base,
+                job.slot,
             )
             self._end_job(abort=True)
             job = None
-        if self._ignored(version, base):
+        if self._ignored(version, base, slot):
             return None
         if job is not None:
-            await self._fail(job.version, f"abandoned: version {version} started before it ended")
+            # Not remembered if it had stalled: its chunks were never proven (its manifest
+            # had not come), and a real send of that version must still be accepted.
+            stalled = time.monotonic() - job.heard_at >= self.config.stalled_job_s
+            why = f"abandoned: version {version} started before it ended"
+            if stalled:
+                why += f" (it had received nothing for {self.config.stalled_job_s:g} s)"
+            await self._fail(job.version, why, remember=not stalled)
         if self.draining:
             logger.info("version %d not started: draining", version)
             return None
@@ -301,15 +337,23 @@ class ApplyCore(DaemonCore):
         except LeaseTimeout as e:
             # Tolerated: a reader kept the inactive buffer (or another writer the lock); this
             # version is lost, the active one stays, and the export agent sends a full one.
-            await self._fail(version, str(e), base=base)
+            await self._fail(version, str(e), base=base, slot=slot)
             return None
         if base is not None and txn.base_version != base:
             # The target buffer holds an older version: start it from the active one.
             await asyncio.to_thread(txn.copy_from_active)
         reference = txn.active if base is not None else None
-        apply = VersionApply(txn.layout, txn.buffer, reference, base=base, version=version)
-        self.job = _Job(version, base, txn, apply, time.monotonic())
+        apply = VersionApply(
+            txn.layout,
+            txn.buffer,
+            reference,
+            base=base,
+            version=version,
+            hash_chunks=self.mac_key is not None,
+        )
+        self.job = _Job(version, base, slot, txn, apply, time.monotonic())
         self.job.open_s = self.job.started - opened  # begin_write (+ copy_from_active)
+        self.job.heard_at = self.job.started
         self._job_done.clear()
         self._changed.set()
         return self.job
@@ -320,7 +364,7 @@ class ApplyCore(DaemonCore):
         self.job = None
         self._job_done.set()
 
-    def _ignored(self, version: int, base: int | None) -> bool:
+    def _ignored(self, version: int, base: int | None, slot: int) -> bool:
         """A late duplicate (of an applied version the store holds or has moved past, or of
         the attempt that failed), or a version older than the one open: nothing to do.
 
@@ -330,9 +374,14 @@ class ApplyCore(DaemonCore):
         active = self.store.active_version
         if done is not None and done[0] == "applied" and active is not None and version <= active:
             return True
-        if done is not None and done[0] == "failed" and done[1] == base:
+        if done is not None and done[0] == "failed" and done[1:] == (base, slot):
             return True
-        return self.job is not None and version < self.job.version
+        job = self.job
+        if job is None or version >= job.version:
+            return False
+        # An older version waits for the open one only while that one is alive: a job that
+        # has heard nothing for stalled_job_s (unproven chunks, a dead sender) gives way.
+        return time.monotonic() - job.heard_at < self.config.stalled_job_s
 
     async def _maybe_finish(self) -> None:
         job = self.job
@@ -367,7 +416,7 @@ class ApplyCore(DaemonCore):
             return
         t_done = time.monotonic()
         self._end_job(abort=False)
-        self._finish(job.version, "applied", job.base)
+        self._finish(job.version, "applied", job.base, job.slot)
         if job.base is None:
             self.needs_full = False
         self.applied += 1
@@ -395,6 +444,7 @@ class ApplyCore(DaemonCore):
         reason: str,
         *,
         base: int | None = None,
+        slot: int = 0,
         needs_full: bool = True,
         remember: bool = True,
     ) -> None:
@@ -405,10 +455,10 @@ class ApplyCore(DaemonCore):
         another base is not). A refused delta is not remembered: once the agent holds its
         base, the same delta is valid."""
         if self.job is not None and self.job.version == version:
-            base = self.job.base
+            base, slot = self.job.base, self.job.slot
             self._end_job(abort=True)
         if remember:
-            self._finish(version, "failed", base)
+            self._finish(version, "failed", base, slot)
         self.needs_full = self.needs_full or needs_full
         self.failed_state = (version, reason)
         self.failures += 1
@@ -416,8 +466,8 @@ class ApplyCore(DaemonCore):
         self._changed.set()
         await self.context.publish(RefitFailed(version, reason))
 
-    def _finish(self, version: int, how: str, base: int | None) -> None:
-        self.finished[version] = (how, base)
+    def _finish(self, version: int, how: str, base: int | None, slot: int) -> None:
+        self.finished[version] = (how, base, slot)
         while len(self.finished) > KEEP_FINISHED:
             del self.finished[min(self.finished)]
 
@@ -458,6 +508,8 @@ class ApplyCore(DaemonCore):
             "applied": self.applied,
             "refused": self.refused,
             "refused_items": self.refused_items,
+            "seal_failures": self.seal_failures,
+            "sealed": self.mac_key is not None,
             "store": self.config.rollout_store,
             "digests": {str(v): d for v, d in self.digests.items()},
         }

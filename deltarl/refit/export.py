@@ -47,7 +47,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from deltarl.codecs.encoder import Chunk, DeltaEncoder
+from deltarl.codecs.frame import CHUNKS_PER_SEND, SEND_SLOTS
 from deltarl.codecs.manifest import RefitManifest
+from deltarl.codecs.manifest_seal import seal
 from deltarl.config.refit import ExportConfig
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 from deltarl.engine.leases import Snapshot
@@ -63,8 +65,6 @@ logger = logging.getLogger(__name__)
 RECENT = 64
 RETRY_S = 0.5  # the first back-off before a failed version is sent again
 RETRY_MAX_S = 10.0
-CHUNKS_PER_SEND = 1 << 20  # chunk ids of one send of a version: 16 TiB of 16 MiB chunks
-SEND_SLOTS = 1 << 12  # CHUNKS_PER_SEND * SEND_SLOTS = 2**32, the frame's chunk id range
 
 
 async def put_unless_done(
@@ -128,8 +128,12 @@ class ExportCore(DaemonCore):
         feed: StateFeed,
         senders: Callable[[], ChunkSender],
         manifests: ManifestStore,
+        mac_key: bytes | None = None,
     ) -> None:
+        """``mac_key``: the cluster's data key; with it every manifest is sealed (a MAC,
+        deltarl/codecs/manifest_seal.py) and lists a BLAKE2b-256 hash per chunk."""
         self.config = config
+        self.mac_key = mac_key
         self.context = context
         self.feed = feed
         self.senders = senders
@@ -168,7 +172,9 @@ class ExportCore(DaemonCore):
     async def run(self) -> None:
         cfg = self.config
         self.store = await self._open_published()
-        self.encoder = DeltaEncoder(self.store.layout, chunk_bytes=cfg.chunk_bytes)
+        self.encoder = DeltaEncoder(
+            self.store.layout, chunk_bytes=cfg.chunk_bytes, hash_chunks=self.mac_key is not None
+        )
         while not self.draining:
             self._spent = False
             try:
@@ -393,7 +399,10 @@ class ExportCore(DaemonCore):
             assert manifest is not None  # set once the chunks are exhausted
             recorded = self._record(manifest)
             t = time.monotonic()
-            await sender.send_manifest(version, manifest.to_json())
+            body = manifest.to_json()
+            await sender.send_manifest(
+                version, body if self.mac_key is None else seal(body, self.mac_key)
+            )
             sent_at = time.monotonic()
             send_s = sent["seconds"] + sent_at - t
             nbytes = sent["bytes"]
@@ -522,6 +531,7 @@ class ExportCore(DaemonCore):
             "failed": self.failed,
             "republished": self.republished,
             "retries": self.retries,
+            "sealed": self.mac_key is not None,
             "receiver_age_s": round(min(self.feed.age_s, 1e9), 3),
             "last": recent[-1] if recent else None,
             "recent": recent,

@@ -8,7 +8,10 @@ listed in ``DIR/authorized``, and the traffic is encrypted. ``ipc://`` sockets a
 their protection is the runtime directory's mode.
 
     deltarl keys DIR        makes DIR/server.key(_secret), DIR/client.key(_secret) and
-                            DIR/authorized/client.key; copy DIR to every host (mode 0700)
+                            DIR/authorized/client.key, and the data plane's keys beside them
+                            (data.key, tls/: deltarl/transport/data_keys.py); run on an older
+                            directory, it adds only what is missing. Copy DIR to every host
+                            (mode 0700)
 
 Without the variable, a ``tcp://`` server still works and logs a warning once; with it, a
 client that has no authorized key gets no reply at all (ZeroMQ drops the handshake), which
@@ -29,6 +32,8 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
+
+from deltarl.transport.data_keys import make_data_keys
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +80,23 @@ class CurveKeys:
 
 
 def make_keys(directory: str | Path) -> Path:
-    """Create a cluster key directory (refusing to overwrite one); return it."""
+    """Create a cluster key directory, or add what an older one lacks (the data plane's
+    keys); never overwrite a key. The directory; FileExistsError if it was complete."""
     d = Path(directory)
-    if (d / "server.key_secret").exists():
-        raise FileExistsError(f"{d} already holds keys; remove it first to make new ones")
+    written: list[Path] = []
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(d, 0o700)
-    zmq.auth.create_certificates(d, "server")
-    zmq.auth.create_certificates(d, "client")
-    (d / "authorized").mkdir(exist_ok=True, mode=0o700)
-    shutil.copy(d / "client.key", d / "authorized" / "client.key")
-    for secret in d.glob("*.key_secret"):
-        os.chmod(secret, 0o600)
+    if not (d / "server.key_secret").exists():
+        zmq.auth.create_certificates(d, "server")
+        zmq.auth.create_certificates(d, "client")
+        (d / "authorized").mkdir(exist_ok=True, mode=0o700)
+        shutil.copy(d / "client.key", d / "authorized" / "client.key")
+        for secret in d.glob("*.key_secret"):
+            os.chmod(secret, 0o600)
+        written += sorted(d.glob("*.key*"))
+    written += make_data_keys(d)
+    if not written:
+        raise FileExistsError(f"{d} already holds every key; remove it first to make new ones")
     return d
 
 
@@ -144,7 +154,9 @@ def main(argv: list[str]) -> int:
     import argparse  # noqa: PLC0415 - only for the command line
 
     ap = argparse.ArgumentParser(
-        prog="deltarl keys", description="make the CURVE keys of the control sockets"
+        prog="deltarl keys",
+        description="make the cluster's keys: CURVE for the control sockets, a MAC key and a "
+        "TLS identity for the data plane (an existing directory gets what it lacks)",
     )
     ap.add_argument("directory", type=Path)
     args = ap.parse_args(argv)

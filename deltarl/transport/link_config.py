@@ -16,6 +16,15 @@ from typing import Literal
 SHM_ROOT = Path("/dev/shm")  # noqa: S108 - tmpfs shared memory, not a temp file
 
 
+Security = Literal["auto", "on", "off"]
+SECURITY = ("auto", "on", "off")
+
+
+def _check_security(owner: str, value: str) -> None:
+    if value not in SECURITY:
+        raise ValueError(f"{owner}.security must be one of {SECURITY}, got {value!r}")
+
+
 def _positive(owner: str, **values: float | None) -> None:
     for name, value in values.items():
         if value is not None and value <= 0:
@@ -110,9 +119,16 @@ class StreamLinkConfig:
     ``2 * max_frame_bytes`` (one largest frame, compressed and decompressed at once); None,
     the default, is exactly that."""
 
+    security: Security = "auto"
+    """TLS 1.3 with mutual authentication (deltarl/transport/data_keys.py). ``auto``: on
+    whenever ``DELTARL_CURVE_KEYS`` is set, and refused without it unless ``host`` is
+    loopback; ``on``: required; ``off``: never (a network trusted otherwise). Manifests are
+    sealed whenever the keys are set, whatever this says."""
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"StreamLinkConfig.port must lie in [0, 65535], got {self.port}")
+        _check_security("StreamLinkConfig", self.security)
         if not 1 <= self.compression_level <= 22:
             raise ValueError(
                 f"StreamLinkConfig.compression_level must lie in [1, 22], "
@@ -189,9 +205,16 @@ class UcxLinkConfig:
     keep_versions: int = 8
     """Versions whose delivered chunk ids the receiver remembers, to drop duplicates."""
 
+    security: Security = "auto"
+    """UCX carries no TLS: what authenticates its versions is the manifest's seal, checked by
+    the apply agent whenever ``DELTARL_CURVE_KEYS`` is set. ``auto``: a sender to a host that
+    is not loopback refuses to start without the keys; ``on``: keys required; ``off``: never
+    required (a network trusted otherwise)."""
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"UcxLinkConfig.port must lie in [0, 65535], got {self.port}")
+        _check_security("UcxLinkConfig", self.security)
         _positive(
             "UcxLinkConfig",
             connect_timeout_s=self.connect_timeout_s,

@@ -21,6 +21,10 @@ and the manifest. Every connection runs one task, a loop of these states:
       '--> IDLE or CONNECTING. A lost connection counts as a failed try unless it got an
            acknowledgement or had nothing unacknowledged on it
 
+Security: with the cluster's keys (``DELTARL_CURVE_KEYS``; ``config.security``), each
+connection is TLS 1.3, mutually authenticated by the cluster's CA (data_keys.py); a refused
+handshake is a failed connection attempt like any other.
+
 Backpressure and memory: the sender keeps every frame until it is acknowledged (it may have
 to resend it), and at most ``window_bytes`` of them; ``send_chunk`` waits for room. Acked
 frames are forgotten, so a receiver that restarts and loses what it held is not refilled
@@ -39,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltarl.transport.base import ChunkSender, LinkError, check_ids
+from deltarl.transport.data_keys import link_keys
 from deltarl.transport.link_config import StreamLinkConfig
 from deltarl.transport.stream_receiver import ReceiverStats, StreamReceiver
 from deltarl.transport.stream_wire import (
@@ -115,6 +120,8 @@ class StreamSender(ChunkSender):
         self.config = config
         self.stats = SenderStats()
         self._peer = f"{config.host}:{config.port}"
+        keys = link_keys("stream link sender", config.host, config.security)
+        self._tls = None if keys is None else keys.client_context()
         self._links = [_Link(i) for i in range(config.connections)]
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: dict[Key, _Frame] = {}
@@ -245,10 +252,15 @@ class StreamSender(ChunkSender):
                 return
             try:
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.config.host, self.config.port),
+                    asyncio.open_connection(
+                        self.config.host,
+                        self.config.port,
+                        ssl=self._tls,
+                        server_hostname=self.config.host if self._tls else None,
+                    ),
                     self.config.connect_timeout_s,
                 )
-            except OSError as exc:  # refused, unreachable, or TimeoutError
+            except OSError as exc:  # refused, unreachable, TimeoutError, or a TLS refusal
                 reason: BaseException = exc
             else:
                 reason = await self._serve(link, reader, writer)

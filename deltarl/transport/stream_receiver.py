@@ -11,6 +11,10 @@ Each connection, as the handler sees it (frames in stream_wire.py):
                       full, which stops reading, which slows the sender through TCP); then ACK
     QUERY             answer HELD with the chunk ids of that version delivered so far
 
+Security: with the cluster's keys (``DELTARL_CURVE_KEYS``; ``config.security``), every
+connection is TLS 1.3 and the sender must present a certificate of the cluster's CA; a peer
+that cannot is cut during the handshake, before it is served at all.
+
 One connection's fault never touches another: handlers share only the DeliveredSet, the
 queue and the memory budget. An unexpected exception in a handler ends that connection and
 asyncio logs it.
@@ -47,6 +51,7 @@ from deltarl.transport.base import (
     manifest_mark,
 )
 from deltarl.transport.budget import BudgetError, ByteBudget
+from deltarl.transport.data_keys import link_keys
 from deltarl.transport.link_config import StreamLinkConfig
 from deltarl.transport.stream_wire import (
     MSG_ACK,
@@ -87,6 +92,10 @@ class StreamReceiver(ChunkReceiver):
 
     def __init__(self, config: StreamLinkConfig) -> None:
         self.config = config
+        # TLS 1.3, both ends authenticated by the cluster's CA (data_keys.py); raises a
+        # ConfigError for a non-loopback address without keys (security = "auto").
+        keys = link_keys("stream link receiver", config.host, config.security)
+        self._tls = None if keys is None else keys.server_context()
         self._delivered = DeliveredSet(config.keep_versions)
         self._budget = ByteBudget(config.budget_bytes)
         self._queue = DeliveryQueue(config.queue_size, on_drop=self._dropped)
@@ -124,7 +133,12 @@ class StreamReceiver(ChunkReceiver):
         if self._server is not None or self._closed:
             return
         self._server = await asyncio.start_server(
-            self._serve, self.config.host, self.config.port, reuse_address=True
+            self._serve,
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            ssl=self._tls,
+            ssl_handshake_timeout=self.config.connect_timeout_s if self._tls else None,
         )
 
     async def __anext__(self) -> Received:

@@ -26,6 +26,11 @@ The sender, as a state machine (``_connect`` and ``_send`` keep it, under ``_loc
                   A failed send or ack read, or a send blocked for ack_timeout_s, loses the
                   connection: back to CONNECTING
 
+Security: UCX carries the bytes in the clear. What proves a version's origin is the
+manifest's seal (a MAC under the cluster's data key) and the BLAKE2b-256 it lists per chunk,
+checked by the apply agent as for every link; a sender to a host that is not loopback
+refuses to start without the keys unless ``security = "off"`` (data_keys.py).
+
 Backpressure: ``send_chunk`` returns once UCX has taken the payload; above UCX's rendezvous
 threshold that is once the receiver has pulled it, and the receiver pulls only while its queue
 has room. The sender holds a reference to every unacknowledged payload (never a copy), which
@@ -57,6 +62,7 @@ from deltarl.transport.base import (
     fingerprint,
     manifest_mark,
 )
+from deltarl.transport.data_keys import KEYS_ENV, DataKeys, link_keys
 from deltarl.transport.link_config import UcxLinkConfig
 from deltarl.transport.stream_wire import WireError
 
@@ -154,6 +160,9 @@ class UcxSender(ChunkSender):
 
     def __init__(self, config: UcxLinkConfig) -> None:
         self.config = config
+        # UCX has no TLS: the manifest's seal authenticates (checked by the apply agent).
+        # Without keys it may run on loopback only, unless security = "off".
+        link_keys("ucx link sender", config.host, config.security)
         self._ucxx = _ucxx()
         self._faults = _link_faults()
         self._peer = f"ucx link to {config.host}:{config.port}"
@@ -341,6 +350,13 @@ class UcxReceiver(ChunkReceiver):
 
     def __init__(self, config: UcxLinkConfig) -> None:
         self.config = config
+        if config.security != "off" and DataKeys.from_env() is None:
+            # It listens on every interface; only a sealed manifest tells a forgery apart.
+            logger.warning(
+                "ucx link receiver on port %d: versions are not authenticated (set %s)",
+                config.port,
+                KEYS_ENV,
+            )
         self._ucxx = _ucxx()
         self._faults = _link_faults()
         self._delivered = DeliveredSet(config.keep_versions)

@@ -235,7 +235,7 @@ def test_nothing_on_the_wire_takes_the_agent_down_or_blocks_a_later_version(
         broken[-1] ^= 1
         await core._on_item(ReceivedChunk(1, 0, bytes(broken)))
         assert core.job is None
-        assert core.finished == {0: ("applied", None)}
+        assert core.finished == {0: ("applied", None, 0)}
         assert core.refused_items == 6
         assert core.receiver_state().failed_version is None
         # A well-formed delta for version 2 on a base the agent does not hold: refused once.
