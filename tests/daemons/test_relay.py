@@ -8,8 +8,10 @@ version reached every member, and a member killed with ``kill -9`` and restarted
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,10 @@ import pytest
 from deltarl.engine.weight_store import WeightStore
 from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.transport.control import request_sync
+from deltarl.transport.curve import make_keys
+from deltarl.transport.data_keys import KEYS_ENV
 from deltarl.transport.messages import Ok, Resume
+from deltarl.transport.stream_wire import MSG_CHUNK, MSG_MANIFEST, pack_header
 from tests.daemons.pipeline import (
     Pipeline,
     apply_table,
@@ -29,6 +34,7 @@ from tests.daemons.pipeline import (
     shm_link,
     stream_link,
 )
+from tests.transport.linkdata import encoded_versions
 
 MEMBERS = {"apply": "rollout", "apply-b": "rollout-b", "apply-c": "rollout-c"}
 
@@ -153,5 +159,41 @@ def test_killed_member_rejoins_and_the_tree_converges(tree: Tree) -> None:
         ]
     # a full version brought c back (its new session changed the tree's); deltas resumed
     assert "full" in later, later
+    codes = tree.stop_all()
+    assert set(codes.values()) == {0}, tree.logs()
+
+
+def test_a_sealed_tree_checks_the_origin_at_every_member_and_refuses_strangers(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the cluster's keys, the export agent seals every manifest; the root relays the
+    # sealed bytes as they came, and every member checks the origin's seal (stream hops are
+    # TLS 1.3, the shm hop is not: its member's seal check is what proves the version).
+    monkeypatch.setenv(KEYS_ENV, str(make_keys(tree.tmp / "keys")))
+    _start_all(tree)
+    tree.wait(
+        "3 versions on every member", lambda: all(tree.status(m)["applied"] >= 3 for m in MEMBERS)
+    )
+    # A stranger on apply-b's stream port: a self-consistent version as plain frames.
+    chunks, manifest = encoded_versions(11)[0]
+    wire = b"".join(pack_header(MSG_CHUNK, 10**6, i, len(c)) + c for i, c in enumerate(chunks))
+    wire += pack_header(MSG_MANIFEST, 10**6, 0, len(manifest)) + manifest
+    port = tree.tables["daemons"]["apply-b"]["link"]["port"]
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as s,
+        contextlib.suppress(OSError),
+    ):
+        s.sendall(wire)
+        s.settimeout(2)
+        reply = s.recv(1 << 16)  # a TLS alert at most (record type 21), never an ack
+        assert reply[:1] in (b"", b"\x15"), reply[:16]
+    version = tree.quiesce_tree()
+    _assert_all_bit_exact(tree.tmp, version)
+    assert tree.status("export")["sealed"]
+    for m in MEMBERS:
+        st = tree.status(m)
+        assert st["sealed"], m
+        assert st["seal_failures"] == 0, m
+        assert st["refused_items"] == 0, m  # the stranger's frames never reached an agent
     codes = tree.stop_all()
     assert set(codes.values()) == {0}, tree.logs()
