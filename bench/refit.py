@@ -23,6 +23,11 @@ on the host, namespaces included):
   total_s can be below their sum; the pipeline target is total <= 1.25 x the slowest stage.
 
 bit_exact is checked here: lease the trainer's and the rollout store and compare the bytes.
+``--sealed-compare`` runs it all again with a fresh cluster key directory (manifests sealed
+with a MAC, a BLAKE2b-256 per chunk, the stream link on TLS 1.3) and adds ``sealed``: that
+run's medians and their ratios to the plain run's, so the cost of authentication is measured
+side by side on the same machine.
+
 ``--rate-mbit R`` puts the export agent and the apply agent in two network namespaces joined
 by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
 """
@@ -30,13 +35,15 @@ by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import signal
 import socket
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,8 @@ from deltarl.bench.refit_report import render
 from deltarl.config import write_toml
 from deltarl.engine.weight_store import WeightStore
 from deltarl.launch import DaemonDied, DaemonGroup, WaitTimeout
+from deltarl.transport.curve import make_keys
+from deltarl.transport.data_keys import KEYS_ENV
 from deltarl.transport.messages import Command, Ok, Pause, Resume, Resync
 
 STREAM_PORT = 47_311  # inside the namespaces nothing else listens
@@ -62,10 +71,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _link_table(link: str, host: str, port: int, tmp: Path) -> dict[str, Any]:
+def _link_table(link: str, host: str, port: int, tmp: Path, sealed: bool) -> dict[str, Any]:
     if link == "shm":
         return {"type": "shm", "name": "bench", "root": str(tmp)}
-    return {"type": link, "host": host, "port": port}  # stream or ucx
+    # stream or ucx. Unsealed between namespaces is a choice here (the baseline it measures),
+    # so it is said: beyond loopback a link refuses to run unauthenticated otherwise.
+    return {"type": link, "host": host, "port": port, "security": "on" if sealed else "off"}
 
 
 def _tables(tmp: Path, params: int, link: dict[str, Any], ack_timeout_s: float) -> dict:
@@ -223,8 +234,23 @@ class Refits:
         return record, now
 
 
+@contextlib.contextmanager
+def _cluster_keys(tmp: Path, sealed: bool) -> Iterator[None]:
+    """With ``sealed``: a fresh key directory in ``DELTARL_CURVE_KEYS`` for the daemons started
+    inside (manifests sealed, stream link on TLS 1.3); without: the variable unset."""
+    before = os.environ.pop(KEYS_ENV, None)
+    try:
+        if sealed:
+            os.environ[KEYS_ENV] = str(make_keys(tmp / "keys"))
+        yield
+    finally:
+        os.environ.pop(KEYS_ENV, None)
+        if before is not None:
+            os.environ[KEYS_ENV] = before
+
+
 def run(
-    params: int, link: str, rate_mbit: float | None, refits: int
+    params: int, link: str, rate_mbit: float | None, refits: int, *, sealed: bool = False
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end."""
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs for the stores; mkdtemp makes it private
@@ -241,10 +267,12 @@ def run(
             prefixes = {"export": shaped.exec_prefix("a"), "apply": shaped.exec_prefix("b")}
         else:
             host, port = "127.0.0.1", _free_port()
-        tables = _tables(tmp, params, _link_table(link, host, port, tmp), ack_timeout_s=wait_s)
+        link_table = _link_table(link, host, port, tmp, sealed)
+        tables = _tables(tmp, params, link_table, ack_timeout_s=wait_s)
         daemons = Daemons(tmp, prefixes, tables)
-        for name in ("apply", "export", "trainer"):
-            daemons.launch(name)
+        with _cluster_keys(tmp, sealed):
+            for name in ("apply", "export", "trainer"):
+                daemons.launch(name)
         bench = Refits(daemons, wait_s)
         try:
             daemons.until("the trainer", lambda: daemons.status("trainer") is not None, wait_s)
@@ -270,6 +298,8 @@ def run(
             raise BenchError(f"the resync'd version was sent as {full_record['kind']}")
         if not full_record["bit_exact"]:
             raise BenchError(f"the full version {full_record['version']} is not bit-exact")
+        if daemons.fields("export")["sealed"] != sealed:
+            raise BenchError(f"the export agent did not run {'sealed' if sealed else 'unsealed'}")
         deltas = [r["total_s"] for r in records if r["kind"] == "delta"] or [
             r["total_s"] for r in records
         ]
@@ -307,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         help="shape the stream link to R Mbit/s (netns + tbf; needs root)",
     )
     ap.add_argument("--refits", type=int, default=5, help="delta refits to time (default 5)")
+    ap.add_argument(
+        "--sealed-compare",
+        action="store_true",
+        help="run again with the cluster's keys (sealed manifests, BLAKE2b per chunk, TLS on "
+        "the stream link) and report what that costs, side by side",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.refits < 1 or args.params < 1:
@@ -330,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         result, diag = run(args.params, args.link, args.rate_mbit, args.refits)
+        if args.sealed_compare:
+            sealed, _ = run(args.params, args.link, args.rate_mbit, args.refits, sealed=True)
+            result["sealed"] = sealed_cost(result, sealed)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)
         return 2
@@ -342,4 +381,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     else:
         print(render(result, diag))
-    return 0 if all(r["bit_exact"] for r in result["refits"]) else 1
+    exact = all(r["bit_exact"] for r in result["refits"])
+    return 0 if exact and result.get("sealed", {}).get("bit_exact", True) else 1
+
+
+def sealed_cost(plain: dict[str, Any], sealed: dict[str, Any]) -> dict[str, Any]:
+    """The sealed run's figures beside the plain run's, as ratios (sealed / plain)."""
+    delta, full = sealed["delta_total_s_median"], sealed["full"]["total_s"]
+    return {
+        "delta_total_s_median": delta,
+        "full_total_s": full,
+        "delta_ratio": delta / plain["delta_total_s_median"],
+        "full_ratio": full / plain["full"]["total_s"],
+        "wire_bytes_ratio": statistics.median(r["wire_bytes"] for r in sealed["refits"])
+        / statistics.median(r["wire_bytes"] for r in plain["refits"]),
+        "bit_exact": all(r["bit_exact"] for r in sealed["refits"]),
+    }

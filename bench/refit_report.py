@@ -89,6 +89,15 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f" ms after the last send returned, acknowledged {d['commit_to_ack_s'] * 1e3:.2f} ms"
             f" after the commit"
         )
+    sealed = result.get("sealed")
+    if sealed is not None:
+        lines.append(
+            f"sealed (MAC + BLAKE2b per chunk{', TLS 1.3' if result['link'] == 'stream' else ''}"
+            f"), same machine, run after: median delta {sealed['delta_total_s_median'] * 1e3:.1f}"
+            f" ms ({sealed['delta_ratio']:.2f}x plain), full {sealed['full_total_s'] * 1e3:.1f} "
+            f"ms ({sealed['full_ratio']:.2f}x), wire bytes {sealed['wire_bytes_ratio']:.3f}x, "
+            f"bit-exact: {'yes' if sealed['bit_exact'] else 'NO'}"
+        )
     lines.append("")
     lines += [f"  [{'ok' if ok else 'MISS'}] {text}" for text, ok in verdicts(result)]
     return "\n".join(lines)

@@ -96,6 +96,24 @@ def test_bench_refit_shm_json_shape_and_bit_exactness() -> None:
     _check_shape(_bench("--link", "shm")[0], "shm", None)
 
 
+def test_bench_refit_sealed_compare_measures_the_cost_side_by_side() -> None:
+    result, _ = _bench("--link", "stream", "--sealed-compare")
+    sealed = result.pop("sealed")
+    _check_shape(result, "stream", None)
+    assert set(sealed) == {
+        "delta_total_s_median",
+        "full_total_s",
+        "delta_ratio",
+        "full_ratio",
+        "wire_bytes_ratio",
+        "bit_exact",
+    }
+    assert sealed["bit_exact"] is True
+    assert all(isinstance(sealed[k], float) and sealed[k] > 0 for k in sealed if k != "bit_exact")
+    # a seal adds a line to the manifest and a hash per chunk entry: the chunks are unchanged
+    assert 0.9 < sealed["wire_bytes_ratio"] < 1.1
+
+
 def _netns_usable() -> str | None:
     why = netns.check_privilege()
     if why is not None:
