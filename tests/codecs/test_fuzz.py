@@ -49,6 +49,7 @@ from deltarl.codecs.frame import (
     RecordHeader,
 )
 from deltarl.codecs.manifest import ManifestError, RefitManifest
+from deltarl.codecs.manifest_seal import open_sealed, seal
 from deltarl.engine.layout import Layout
 from tests.codecs.forge import build_frame, gaps, reseal, rice_write
 from tests.codecs.mutate import Mutator, bounded_memory, mutate_json
@@ -328,3 +329,34 @@ def test_length_inflation_hits_the_fields(case: Case) -> None:
             if f + 4 <= len(out)
         )
     assert hits > 100
+
+
+@pytest.mark.parametrize(
+    ("n", "seed"),
+    [pytest.param(10_000, 7, id="default"), pytest.param(10_000 * SLOW, 8, marks=pytest.mark.slow)],
+)
+def test_fuzz_sealed_manifests(case: Case, n: int, seed: int) -> None:
+    # What a keyed apply agent does with a manifest off the wire: open the seal, then parse.
+    # Only the clear error; and no mutant is accepted unless it is a seed, byte for byte.
+    key = bytes(range(32))
+    seeds = [seal(case.manifest.to_json(), key), seal(case.chunks_manifest.to_json(), key)]
+    mutate = Mutator(seed, seeds, [])
+    rng = random.Random(seed)
+    accepted = 0
+    with bounded_memory():
+        for i in range(n):
+            if rng.random() < 0.5:
+                data = mutate()
+            else:  # the JSON changed, the seal line kept (a forger does not hold the key)
+                body, _, line = rng.choice(seeds).rpartition(b"\n")
+                data = mutate_json(rng, body) + b"\n" + line
+            try:
+                RefitManifest.from_json(open_sealed(data, key))
+            except ManifestError:
+                continue
+            except BaseException as exc:
+                exc.add_note(f"fuzz seed {seed}, mutant {i}: {data[:1024]!r}")
+                raise
+            assert data in seeds, f"seed {seed}, mutant {i} passed the seal: {data[:200]!r}"
+            accepted += 1
+    assert accepted < n // 10
