@@ -49,7 +49,10 @@ class TinyConfig:
         inter = (hidden * 11 // 4 + 31) // 32 * 32
         per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
         layers = max(1, round((params - 2 * vocab * hidden - hidden) / per_layer))
-        return cls(vocab, hidden, inter, layers, max(1, hidden // 64))
+        # Heads must divide the hidden size (a multiple of 32): head dim 64 where it fits,
+        # else 32 (hidden // 64 heads broke the model at e.g. 25M parameters: 352 / 5).
+        heads = hidden // 64 if hidden % 64 == 0 else hidden // 32
+        return cls(vocab, hidden, inter, layers, heads)
 
 
 class _RMSNorm(nn.Module):

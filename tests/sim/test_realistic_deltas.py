@@ -7,9 +7,11 @@ from deltarl.sim.tiny_transformer import TinyConfig
 
 
 def test_config_for_params_is_close_to_the_request():
-    for params in (20_000, 1_000_000, 50_000_000, 100_000_000):
-        got = TinyConfig.for_params(params).param_count()
-        assert 0.5 * params < got < 1.5 * params
+    for params in (20_000, 1_000_000, 25_000_000, 50_000_000, 100_000_000, 1_000_000_000):
+        cfg = TinyConfig.for_params(params)
+        assert 0.5 * params < cfg.param_count() < 1.5 * params
+        # the heads divide the hidden size (25M once had 5 heads of 352)
+        assert cfg.hidden_size % cfg.num_heads == 0, params
 
 
 def test_published_bytes_are_the_bf16_cast_of_the_fp32_masters():
