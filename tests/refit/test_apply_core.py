@@ -14,6 +14,7 @@ import numpy as np
 import orjson
 
 from deltarl.codecs.encoder import DeltaEncoder
+from deltarl.codecs.frame import CHUNKS_PER_SEND, HEADER_SIZE
 from deltarl.config.refit import ApplyConfig
 from deltarl.engine.daemon import DaemonContext
 from deltarl.engine.layout import Layout
@@ -24,6 +25,7 @@ from deltarl.sim.realistic_deltas import RealisticDeltas
 from deltarl.transport.base import ReceivedChunk, ReceivedManifest, make_receiver
 from deltarl.transport.link_config import ShmLinkConfig
 from deltarl.transport.messages import Event, Ok, RefitFailed, Rollback, VersionApplied
+from tests.codecs.forge import reseal
 
 PARAMS = 200_000
 
@@ -250,6 +252,49 @@ def test_nothing_on_the_wire_takes_the_agent_down_or_blocks_a_later_version(
         with store.lease() as snap:
             assert np.array_equal(snap.buffer, vs[3])
         assert not any(isinstance(e, RefitFailed) and e.version in (1, 3) for e in context.events)
+        await core.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_full_version_is_accepted_on_its_next_send_not_its_late_chunks(
+    tmp_path: Path,
+) -> None:
+    # Found by looking past defect 6: failures were remembered by base only, so a full
+    # version that failed was never accepted in full again (a full re-send has the same
+    # "base"). Now an attempt is its base and its send slot (the chunk ids' range).
+    layout, vs = _versions(1)
+
+    async def scenario() -> None:
+        core, _, store = _core(tmp_path, layout)
+        enc = DeltaEncoder(layout, chunk_bytes=64 << 10)
+
+        def send_of(n: int) -> tuple[list[tuple[int, bytes]], bytes]:
+            e = enc.encode(vs[0], None, target_version=0, first_chunk_id=n * CHUNKS_PER_SEND)
+            chunks = [(c.chunk_id, c.data) for c in e]
+            assert e.manifest is not None
+            return chunks, e.manifest.to_json()
+
+        first, manifest = send_of(0)
+        assert len(first) > 1
+        # the first send fails: its second chunk is damaged after its checksum (the decoder
+        # refuses it), so version 0 fails with that attempt remembered
+        cid, data = first[1]
+        damaged = bytearray(data)
+        damaged[HEADER_SIZE + 8] ^= 0xFF
+        await core._on_item(ReceivedChunk(0, first[0][0], first[0][1]))
+        await core._on_item(ReceivedChunk(0, cid, reseal(damaged)))
+        assert store.active_version is None
+        assert core.receiver_state().failed_version == 0
+        # its late chunks are ignored: no job opens for them
+        await core._on_item(ReceivedChunk(0, first[0][0], first[0][1]))
+        assert core.job is None
+        # the next send of the same full version is accepted
+        second, manifest = send_of(1)
+        for chunk_id, data in second:
+            await core._on_item(ReceivedChunk(0, chunk_id, data))
+        await core._on_item(ReceivedManifest(0, manifest))
+        assert store.active_version == 0
         await core.close()
 
     asyncio.run(scenario())
