@@ -167,7 +167,7 @@ class SchedulerConfig(DaemonTable):
     max_sample_bytes: int = DEFAULT_MAX_FRAME_BYTES
     """The largest encoded group the samples endpoint takes; bigger is refused (too_large)."""
     task: str = "default"
-    """The task by name (deltarl.rl.task.TASKS): prompts and reward."""
+    """The task by name (deltarl.rl.task.tasks()): prompts and reward."""
     policy: str = "fifo"
     """The dispatch policy by name (deltarl.scheduler.policy.POLICIES)."""
     group_size: int = 8

@@ -19,6 +19,7 @@ initialised byte-level-BPE model in a few dozen GRPO steps, and to be honest abo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -91,13 +92,18 @@ class RepeatLetter:
         return hits / max(len(completion), self.min_chars)
 
 
-TASKS: dict[str, type[RepeatLetter]] = {"default": RepeatLetter}
+def tasks() -> dict[str, Callable[..., Task]]:
+    """Every task by name (``task = "..."`` in the scheduler's table)."""
+    from deltarl.rl.arithmetic import Arithmetic  # noqa: PLC0415 - it imports mix64 from here
+
+    return {"default": RepeatLetter, "arithmetic": Arithmetic}
 
 
 def make_task(name: str, *, seed: int = 0, size: int = 0) -> Task:
     """The task called ``name``; ValueError naming the known ones otherwise."""
+    known = tasks()
     try:
-        cls = TASKS[name]
+        make = known[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}") from None
-    return cls(seed=seed, size=size)
+        raise ValueError(f"unknown task {name!r}; known: {sorted(known)}") from None
+    return make(seed=seed, size=size)

@@ -1,0 +1,138 @@
+"""The arithmetic task: procedurally generated problems with one exact answer, and a held-out
+evaluation split no training prompt repeats.
+
+A problem is ``a OP b`` with OP one of ``+ - *``, at one of ``LEVELS`` of difficulty (more
+digits, then multiplication), drawn by a fixed hash of (seed, split, id) so every process
+agrees on the dataset without storing it. The prompt asks for the answer in one fixed form:
+
+    What is 47 + 385? Think briefly, then give the final answer on its own line as
+    "Answer: <number>".
+
+reward = 1.0 when the last ``Answer: N`` in the completion has N equal to the true value;
+``FORMAT_CREDIT`` (0.1) when it is there with another number (the form was learned, not the
+sum); 0 without one. Rewards that can be earned by form alone are kept small so that GRPO's
+group-normalised advantage is driven by correctness once most samples have the form.
+
+The evaluation split: ``eval_size`` problems drawn from their own hash stream; training
+problems that coincide with one of them are skipped (the next draw is used), so accuracy on the
+split measures generalisation, not memory. ``eval_prompt(i)`` gives them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from deltarl.rl.task import mix64
+
+# (digits of a, digits of b, operators), easiest first. Drawn with the weights below: the
+# easy levels let a 135M model earn rewards at once, the hard ones leave room to learn.
+LEVELS: tuple[tuple[int, int, str], ...] = (
+    (2, 2, "+-"),
+    (3, 3, "+-"),
+    (2, 1, "*"),
+    (4, 4, "+-"),
+    (2, 2, "*"),
+)
+WEIGHTS = (3, 3, 2, 1, 1)
+FORMAT_CREDIT = 0.1
+TRAIN, EVAL = 1, 2  # hash streams of the two splits
+TEMPLATE = (
+    "What is {a} {op} {b}? Think briefly, then give the final answer on its own line as "
+    '"Answer: <number>".'
+)
+_PROMPT = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?")
+_ANSWER = re.compile(r"Answer:\s*\**\s*(-?[\d,]+)")
+
+Problem = tuple[int, str, int]
+
+
+def solve(problem: Problem) -> int:
+    a, op, b = problem
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _number(rng: int, digits: int) -> int:
+    low = 10 ** (digits - 1) if digits > 1 else 0
+    return low + rng % (10**digits - low)
+
+
+def draw(seed: int, split: int, index: int) -> Problem:
+    """The problem at ``index`` of a split's hash stream."""
+    h = mix64(seed, split, index)
+    pick = h % sum(WEIGHTS)
+    level = 0
+    while pick >= WEIGHTS[level]:
+        pick -= WEIGHTS[level]
+        level += 1
+    da, db, ops = LEVELS[level]
+    op = ops[mix64(h, 1) % len(ops)]
+    return _number(mix64(h, 2), da), op, _number(mix64(h, 3), db)
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    seed: int = 0
+    size: int = 0  # 0: unbounded training prompts
+    eval_size: int = 64
+    name: str = "arithmetic"
+    _held_out: frozenset[Problem] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 0 or self.eval_size < 1:
+            raise ValueError("size must be >= 0 and eval_size >= 1")
+        held = frozenset(draw(self.seed, EVAL, i) for i in range(self.eval_size))
+        object.__setattr__(self, "_held_out", held)
+
+    def problem(self, prompt_id: int) -> Problem:
+        """Training problem ``prompt_id``: the stream's draw, skipping held-out problems."""
+        if prompt_id < 0 or (self.size and prompt_id >= self.size):
+            raise IndexError(f"prompt id {prompt_id} is outside the dataset (size {self.size})")
+        attempt = 0
+        while True:
+            p = draw(self.seed, TRAIN, mix64(prompt_id, attempt))
+            if p not in self._held_out:
+                return p
+            attempt += 1
+
+    def prompt(self, prompt_id: int) -> str:
+        return render(self.problem(prompt_id))
+
+    def eval_prompt(self, index: int) -> str:
+        if not 0 <= index < self.eval_size:
+            raise IndexError(f"eval index {index} is outside the split (size {self.eval_size})")
+        return render(draw(self.seed, EVAL, index))
+
+    def reward(self, prompt: str, completion: str) -> float:
+        return score(parse(prompt), completion)
+
+
+def render(problem: Problem) -> str:
+    a, op, b = problem
+    return TEMPLATE.format(a=a, op=op, b=b)
+
+
+def parse(prompt: str) -> Problem:
+    m = _PROMPT.match(prompt)
+    if m is None:
+        raise ValueError(f"not a prompt of the arithmetic task: {prompt[:80]!r}")
+    return int(m.group(1)), m.group(2), int(m.group(3))
+
+
+def answer(completion: str) -> int | None:
+    """The number of the last ``Answer: N`` in ``completion`` (commas allowed), or None."""
+    found = _ANSWER.findall(completion)
+    if not found:
+        return None
+    digits = found[-1].replace(",", "")
+    try:
+        return int(digits)
+    except ValueError:
+        return None
+
+
+def score(problem: Problem, completion: str) -> float:
+    got = answer(completion)
+    if got is None:
+        return 0.0
+    return 1.0 if got == solve(problem) else FORMAT_CREDIT
