@@ -78,5 +78,5 @@ class StepRetention(BlobTable):
                 " ON CONFLICT (key) DO UPDATE SET value = MAX(CAST(value AS INTEGER), ?)",
                 (str(last), last),
             )
-        logger.info("retention: steps %d..%d pruned (%d prompt rows)", steps[0], last, prompts)
+        logger.debug("retention: steps %d..%d pruned (%d prompt rows)", steps[0], last, prompts)
         return len(steps)
