@@ -27,6 +27,14 @@ def non_negative(owner: object, *keys: str) -> None:
             raise ValueError(f"{key} must not be negative, got {value}")
 
 
+def at_least(owner: object, low: int, *keys: str) -> None:
+    """Each key's value is an integer >= ``low`` (a count with a floor, such as a retention)."""
+    for key in keys:
+        value = getattr(owner, key)
+        if value < low:
+            raise ValueError(f"{key} must be at least {low}, got {value}")
+
+
 def endpoints(owner: object, *keys: str) -> None:
     """Each key (None allowed) is an ``ipc://`` or ``tcp://`` endpoint."""
     for key in keys:

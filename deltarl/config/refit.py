@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltarl.config.base import DaemonTable
-from deltarl.config.checks import endpoints, non_negative, positive
+from deltarl.config.checks import at_least, endpoints, non_negative, positive
 from deltarl.transport.link_config import LinkConfig
 
 
@@ -65,10 +65,16 @@ class ExportConfig(DaemonTable):
     poll_s: float = 0.05
     """How often the published store's version is checked (and, without ``apply_events``, the
     receiver's state)."""
+    keep_versions: int = 1000
+    """Versions the manifest store keeps (the newest ones; older superseded and failed ones are
+    pruned after each send). The active version, versions in flight, the last full version and
+    the reference are kept whatever their age (deltarl/refit/manifest_store.py), so 1 is safe;
+    more is history for operators."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         positive(self, "full_resync_every", "chunk_bytes", "ack_timeout_s", "poll_s")
+        at_least(self, 1, "keep_versions")
 
 
 @dataclass(frozen=True)

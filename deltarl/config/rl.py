@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from deltarl.config.base import DaemonTable
-from deltarl.config.checks import endpoints, non_negative, positive
+from deltarl.config.checks import at_least, endpoints, non_negative, positive
 from deltarl.transport.blobs import DEFAULT_MAX_FRAME_BYTES, samples_endpoint
 
 
@@ -208,9 +208,14 @@ class SchedulerConfig(DaemonTable):
     """How often heartbeats and leases are checked."""
     wait_s: float = 0.2
     """The back-off suggested in an empty Work or Batch."""
+    keep_steps: int = 1000
+    """Steps whose records the store keeps: older checkpointed steps lose their ``steps`` row
+    (the run history) and their trained prompt rows (deltarl/scheduler/retention.py). Steps
+    after the last checkpoint are kept whatever their number, for exact replay."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        at_least(self, 1, "keep_steps")
         positive(self, "group_size", "groups_per_step", "pool_capacity", "reward_workers")
         positive(self, "heartbeat_timeout_s", "lease_s", "reward_timeout_s", "tick_s", "wait_s")
         positive(self, "samples_grace_s", "max_sample_bytes")

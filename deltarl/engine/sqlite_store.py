@@ -11,6 +11,17 @@ schema, its version and its error class; this base keeps the invariants:
   frames of an uncommitted transaction are ignored at the next open);
 - a read of several SELECTs sees one snapshot (``_read``);
 - a store file of another schema version is refused with a message, never guessed at.
+
+File space (retention, ``prune`` in each store): a store created by this code uses
+``auto_vacuum=INCREMENTAL``, so the pages that pruning frees can be handed back to the file
+system (``reclaim``) in bounded steps. The mode can only be chosen before the first table
+exists; a file created before (``auto_vacuum=NONE``) is not converted, because that takes a
+full ``VACUUM``: a rewrite of the whole file under the write lock, needing twice its disk
+space, at a daemon's start where systemd's start timeout runs. Such a file still stops
+growing under retention (sqlite reuses its free pages); it only does not shrink. An operator
+converts it, with the daemon stopped: ``sqlite3 FILE 'PRAGMA auto_vacuum=INCREMENTAL; VACUUM'``.
+The WAL file is truncated back to ``WAL_LIMIT_BYTES`` after each checkpoint, so one large
+transaction does not leave it large for good.
 """
 
 from __future__ import annotations
@@ -23,6 +34,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
+
+WAL_LIMIT_BYTES = 8 << 20
+"""What the WAL file is cut back to after a checkpoint (``PRAGMA journal_size_limit``)."""
+RECLAIM_SLACK_PAGES = 256
+"""Free pages ``reclaim`` leaves in the file: the next writes reuse them instead of growing
+the file again right away (blobs come and go every step)."""
+RECLAIM_MAX_PAGES = 2048
+"""Pages one ``reclaim`` call hands back at most, so one call holds the write lock briefly."""
 
 
 class SqliteStore:
@@ -65,6 +84,8 @@ class SqliteStore:
             if readonly:
                 self._check_schema()
             else:
+                # Before WAL mode and the first table: later it is ignored (module docstring).
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 self._enable_wal(conn)
                 self._create_schema()
         except BaseException:
@@ -80,6 +101,7 @@ class SqliteStore:
             raise self.Error(f"{self.path}: cannot use WAL mode (got {mode})")
         # FULL: a committed transaction survives power loss, not only a process crash.
         conn.execute("PRAGMA synchronous=FULL")
+        conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
 
     def _create_schema(self) -> None:
         with self._write() as conn:
@@ -123,6 +145,42 @@ class SqliteStore:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    # -- file space -------------------------------------------------------------------------
+
+    def incremental(self) -> bool:
+        """Whether this file can hand free pages back (``auto_vacuum=INCREMENTAL``)."""
+        with self._lock:
+            return int(self._db().execute("PRAGMA auto_vacuum").fetchone()[0]) == 2
+
+    def free_pages(self) -> int:
+        with self._lock:
+            return int(self._db().execute("PRAGMA freelist_count").fetchone()[0])
+
+    def reclaim(
+        self, slack_pages: int = RECLAIM_SLACK_PAGES, max_pages: int = RECLAIM_MAX_PAGES
+    ) -> int:
+        """Hand free pages beyond ``slack_pages`` back to the file system, ``max_pages`` at
+        most; returns how many. 0 for a file without incremental auto-vacuum. The file itself
+        shrinks when the WAL is next checkpointed into it."""
+        if self.readonly or not self.incremental():
+            return 0
+        with self._lock:
+            conn = self._db()
+            before = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+            pages = min(before - slack_pages, max_pages)
+            if pages <= 0:
+                return 0
+            # executescript, not execute: the pragma frees one page per step of its statement,
+            # and only sqlite3_exec (executescript) steps it to the end. Its own transaction:
+            # a crash inside leaves the file as it was (the WAL frames are never committed).
+            try:
+                conn.executescript(f"BEGIN IMMEDIATE; PRAGMA incremental_vacuum({pages}); COMMIT;")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return before - int(conn.execute("PRAGMA freelist_count").fetchone()[0])
 
     # -- transactions -----------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -219,6 +220,7 @@ class ExportCore(DaemonCore):
             self._idle.clear()
             try:
                 await self._take_and_ship(receiver)
+                await self._prune()  # before idle: a drain waits for it, then the store closes
             finally:
                 self.shipping = False
                 self._idle.set()
@@ -499,6 +501,20 @@ class ExportCore(DaemonCore):
             logger.warning("version %d not recorded: %s", manifest.version, e)
             return False
         return True
+
+    async def _prune(self) -> None:
+        """Retention of the manifest store (``keep_versions``), between two versions: one
+        bounded batch and one bounded reclaim per version, in a thread, so it never delays a
+        send by more than a batch and still outpaces the one row each version adds."""
+        protect = () if self.ref.version is None else (self.ref.version,)
+        try:
+            await asyncio.to_thread(
+                self.manifests.prune, self.config.keep_versions, protect=protect
+            )
+            await asyncio.to_thread(self.manifests.reclaim)
+        except (ManifestStoreError, sqlite3.OperationalError) as e:
+            # Tolerated like a record that fails: the store is for operators, the refit goes on.
+            logger.warning("manifest store retention: %s", e)
 
     def _mark(self, version: int, state: State, *, error: str | None = None) -> None:
         try:

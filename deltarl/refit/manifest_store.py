@@ -38,12 +38,33 @@ unique index) and by the transactions below where it cannot:
   version (CHECK constraints); a delta is recorded only on a base that is recorded and not
   failed.
 - I4: every state change follows ``TRANSITIONS``; anything else raises ``TransitionError``.
+
+Retention (``prune``, run by the export agent after each version it finished): the newest
+``keep`` versions stay, and so does every row something may still need, whatever its age:
+
+- R1: the active version (the receivers' base: the next delta is built on it);
+- R2: every version not yet live (pending, uploaded, verified): one in flight, or one left by a
+  crash of the export agent mid-send (at most one per crash; kept, since this store cannot tell
+  it from one in flight);
+- R3: the newest full version that did not fail (``last_full``, the alignment point that
+  ``versions_since_full`` counts from);
+- R4: any version the caller names in ``protect`` (the export agent: its reference);
+- R5: the base of every version kept, transitively, so I3 holds in the file (every delta's
+  base is recorded) and each kept delta's chain back to its full version can be read. The
+  export agent bounds every chain by ``full_resync_every``, so this keeps at most that many
+  more rows per chain kept.
+
+Only superseded and failed versions are ever deleted, at most ``batch`` per transaction, newest
+first among those that may go: a version is deleted only after every version built on it, so
+after any commit, and so after a crash between two batches, I1-I4 and R1-R5 hold.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -54,6 +75,7 @@ from deltarl.engine.sqlite_store import SqliteStore
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1  # PRAGMA user_version of a store this module wrote
+PRUNE_BATCH = 256  # versions one prune transaction deletes at most: it holds the write lock
 
 
 class State(StrEnum):
@@ -331,6 +353,48 @@ class ManifestStore(SqliteStore):
         logger.warning(
             "manifest store: version %d failed; so do the deltas built on it: %s", version, doomed
         )
+
+    def prune(self, keep: int, *, protect: Collection[int] = (), batch: int = PRUNE_BATCH) -> int:
+        """Delete up to ``batch`` of the versions that retention lets go, newest first (module
+        docstring: the newest ``keep`` and R1-R5 stay); returns how many. One transaction:
+        call it again while it returns ``batch``."""
+        if keep < 1 or batch < 1:
+            raise ValueError(f"keep and batch must be at least 1, got {keep} and {batch}")
+        with self._lock, self._write() as conn:
+            doomed = [
+                v
+                for (v,) in conn.execute(
+                    """
+                    WITH RECURSIVE
+                    newest(v) AS (SELECT version FROM versions ORDER BY version DESC
+                                  LIMIT :keep),
+                    kept(v) AS (
+                        SELECT version FROM versions
+                        WHERE state NOT IN (:superseded, :failed)                   -- R1, R2
+                           OR version IN (SELECT v FROM newest)
+                           OR version = (SELECT MAX(version) FROM versions          -- R3
+                                         WHERE kind = 'full' AND state != :failed)
+                           OR version IN (SELECT value FROM json_each(:protect))    -- R4
+                        UNION
+                        SELECT versions.base_version FROM versions JOIN kept        -- R5
+                            ON versions.version = kept.v WHERE versions.kind = 'delta'
+                    )
+                    SELECT version FROM versions WHERE version NOT IN (SELECT v FROM kept)
+                    ORDER BY version DESC LIMIT :batch
+                    """,
+                    {
+                        "superseded": State.SUPERSEDED.value,
+                        "failed": State.FAILED.value,
+                        "keep": keep,
+                        "protect": json.dumps(sorted({int(v) for v in protect})),
+                        "batch": batch,
+                    },
+                )
+            ]
+            conn.executemany("DELETE FROM versions WHERE version = ?", [(v,) for v in doomed])
+        if doomed:
+            logger.debug("manifest store: pruned versions %d..%d", doomed[-1], doomed[0])
+        return len(doomed)
 
     # -- reads (each one SELECT: one consistent snapshot, even while another process writes) --
 

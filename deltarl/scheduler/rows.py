@@ -158,6 +158,8 @@ class ShipResult:
     groups: list[Group]
     replayed: bool
     dropped_for_lag: list[Group]
+    pruned: bool = False
+    """The step was checkpointed and its records pruned (retention): refused, not refilled."""
 
 
 def stats(

@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -209,14 +210,25 @@ class SchedulerService(DaemonCore):
             logger.warning("%d leases expired: prompts %s requeued", len(expired), expired[:8])
 
     async def run(self) -> None:
-        """The daemon's background work: check heartbeats and leases every ``tick_s``, and
-        remove the blobs no submit referred to within ``samples_grace_s``."""
+        """The daemon's background work: check heartbeats and leases every ``tick_s``, remove
+        the blobs no submit referred to within ``samples_grace_s``, and apply retention."""
         while True:
             self.expire()
             swept = self.store.sweep_blobs(self.config.samples_grace_s)
             if swept:
                 logger.info("%d unreferenced sample blobs removed", swept)
+            self.retain()
             await asyncio.sleep(self.config.tick_s)
+
+    def retain(self) -> None:
+        """One bounded batch of retention (``keep_steps``) and one bounded reclaim of file
+        space per tick: each holds the write lock for a few milliseconds, and a batch of steps
+        per tick outpaces any trainer."""
+        try:
+            self.store.prune_steps(self.config.keep_steps)
+            self.store.reclaim()
+        except sqlite3.OperationalError as e:  # busy, or a full disk: the next tick tries again
+            logger.warning("scheduler store retention: %s", e)
 
     # -- rollout instances -----------------------------------------------------------------
 
@@ -492,6 +504,12 @@ class SchedulerService(DaemonCore):
         result = self.store.ship(
             cmd.step, cmd.groups, cmd.trainer_version, cfg.max_policy_lag_steps
         )
+        if result.pruned:
+            return Error(
+                "checkpointed",
+                f"step {cmd.step} is in a checkpoint already and its records were pruned "
+                f"(keep_steps = {cfg.keep_steps}); its samples are not kept",
+            )
         if result.dropped_for_lag:
             logger.info(
                 "step %d: %d pooled groups over the lag bound dropped",

@@ -6,7 +6,9 @@ at any point, ``kill -9`` included, leaves the file as it was before or after th
 between. Readers in other processes (a test, an operator's sqlite3) may read while it writes.
 
 Exactly once, per prompt. Every prompt id below ``cursor`` has exactly one row in ``prompts``,
-and a row is never deleted, so no prompt is ever skipped; the row's state says where it is::
+and a row is never deleted but by retention, and then only once trained in a checkpointed step
+(``deltarl.scheduler.retention``: S1-S3), so no prompt is ever skipped; the row's state says
+where it is::
 
     (cursor) ──issue──► issued ──pool──► pooled ──ship(step)──► shipped ──checkpoint──► trained
                           │                │                       │
@@ -38,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from deltarl.scheduler.blob_table import BlobTable
+from deltarl.scheduler.retention import StepRetention
 from deltarl.scheduler.rows import (
     COLUMNS,
     SCHEMA,
@@ -55,7 +57,7 @@ from deltarl.scheduler.rows import (
 logger = logging.getLogger(__name__)
 
 
-class SchedulerStore(BlobTable):
+class SchedulerStore(StepRetention):
     """The scheduler's tables in one sqlite file; one writer process, any number of readers.
 
     Every method is one snapshot or one transaction, safe from several threads (one connection
@@ -153,14 +155,20 @@ class SchedulerStore(BlobTable):
 
     def history(self, last: int = 0) -> list[dict[str, Any]]:
         """Per-step records, oldest first (only the last ``last`` if > 0)."""
+        # LIMIT in sql: the service asks for the last step at every GetWork, and a whole
+        # table read there would cost more with every step kept.
+        limit = last if last > 0 else -1  # sqlite: a negative LIMIT is none
         with self._read() as conn:
-            cur = conn.execute("SELECT * FROM steps ORDER BY step")
+            cur = conn.execute(
+                "SELECT * FROM (SELECT * FROM steps ORDER BY step DESC LIMIT ?) ORDER BY step",
+                (limit,),
+            )
             names = [d[0] for d in cur.description]
             rows = [dict(zip(names, r, strict=True)) for r in cur]
         for row in rows:
             row["metrics"] = orjson.loads(row["metrics"]) if row["metrics"] else {}
             row["checkpointed"] = bool(row["checkpointed"])
-        return rows[-last:] if last > 0 else rows
+        return rows
 
     def run_config(self) -> dict[str, Any]:
         """The configuration of the latest start (``record_run``)."""
@@ -441,6 +449,11 @@ class SchedulerStore(BlobTable):
             ).fetchall()
             if rows:
                 return ShipResult([group_from_row(r) for r in rows], True, [])
+            pruned = conn.execute("SELECT value FROM meta WHERE key = 'pruned_through'").fetchone()
+            if pruned is not None and step <= int(pruned[0]):
+                # S3: its groups were trained and their rows pruned; new ones must not take
+                # the old step's place.
+                return ShipResult([], True, [], pruned=True)
             pooled = [
                 group_from_row(r)
                 for r in conn.execute(
