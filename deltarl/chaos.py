@@ -76,8 +76,10 @@ class Chaos:
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
-    def stop_checker(self) -> dict[str, Any]:
-        assert self.checker is not None
+    def stop_checker(self) -> dict[str, Any] | None:
+        """The checker's findings; None (and why, said) if it failed: no figures then."""
+        if self.checker is None:
+            return None
         self.checker.send_signal(signal.SIGTERM)
         try:
             self.checker.wait(60)
@@ -86,7 +88,8 @@ class Chaos:
             self.checker.wait(10)
         if self.checker.returncode != 0 or not self.checker_out.exists():
             log = (self.run.directory / "checker.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the checker failed ({self.checker.returncode}): {log}")
+            self.say(f"the checker failed (status {self.checker.returncode}):\n{log}")
+            return None
         result: dict[str, Any] = orjson.loads(self.checker_out.read_bytes())
         return result
 
@@ -267,7 +270,12 @@ def main(argv: list[str]) -> int:
         chaos.close()
         with contextlib.suppress(OSError):
             shutil.rmtree(run.shm)
-    sched = scheduler_figures(run.directory / "scheduler.sqlite")
+    db = run.directory / "scheduler.sqlite"
+    if checker is None or not db.exists():
+        # No honest figures: the checker's findings or the scheduler's record are missing.
+        chaos.say("no figures: " + ("; ".join(failed) or "the checker failed"))
+        return 1
+    sched = scheduler_figures(db)
     kills = sum(1 for k in kill_log if k["delivered"])
     result = figures(kills, sched, checker, [k["converged_s"] for k in kill_log])
     details = {

@@ -159,7 +159,7 @@ class EngineChecker:
         self.done: set[tuple[str, int, str | None]] = set()  # (session, version, digest)
         self.last: int | None = None
 
-    def _check_load(self, session: str, version: int, digest: str | None, verified: bool) -> None:
+    def check_load(self, session: str, version: int, digest: str | None, verified: bool) -> None:
         key = (session, version, digest)
         if key in self.done:
             return
@@ -197,13 +197,13 @@ class EngineChecker:
         fields = reply.fields
         session = str(fields.get("session"))
         for r in fields.get("refits") or []:
-            self._check_load(session, int(r["version"]), r.get("digest"), bool(r["verified"]))
+            self.check_load(session, int(r["version"]), r.get("digest"), bool(r["verified"]))
         version = fields.get("weight_version")
         if version is not None:
             self._saw_version(int(version))
             # The current load was in ``refits`` too; checked here again in case the list
             # was cut, and as the daemon answers now (the engine's digest, continuously).
-            self._check_load(session, int(version), fields.get("digest"), True)
+            self.check_load(session, int(version), fields.get("digest"), True)
 
 
 def run(args: argparse.Namespace, stop: list[bool]) -> Findings:

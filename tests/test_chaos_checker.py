@@ -4,6 +4,8 @@ Each test runs the real checker (``python -m deltarl.chaos_checker``) as a proce
 real weight store, then does to the store what a broken apply agent could: bytes of the active
 version changed behind the store's back (no new version, no new digest), or the active version
 moved backwards. A clean store beside it must give no finding, so the check can fail both ways.
+The engine side's comparison runs against a real manifest store: a load whose digest is not
+the manifest's, or that the rollout daemon did not verify, is a finding; the manifest's is not.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ import numpy as np
 import orjson
 import pytest
 
+from deltarl.chaos_checker import EngineChecker, Findings, Manifests
 from deltarl.codecs.checksum import model_digest, tensor_digests
+from deltarl.codecs.frame import NO_BASE
+from deltarl.codecs.manifest import ChunkEntry, RefitManifest
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
+from deltarl.refit.manifest_store import ManifestStore
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = Layout.pack([("a", "bfloat16", (256, 64)), ("b", "float32", (1000,))])
@@ -110,3 +116,22 @@ def test_a_version_going_backwards_is_seen(stores: tuple[WeightStore, WeightStor
     assert found_bad["half_applied"] == []  # rolled back to a whole version
     assert found_clean["store_backwards"] == []
     assert found_clean["versions_leased"] == [2, 3]
+
+
+def test_an_engine_load_unlike_its_manifest_is_not_bit_exact(tmp_path: Path) -> None:
+    path = tmp_path / "versions.sqlite"
+    with ManifestStore(path) as ms:
+        ms.record(RefitManifest(4, NO_BASE, "full", 0.0, [], [ChunkEntry(0, 1, 1)], "d" * 32))
+    found = Findings()
+    engine = EngineChecker("ipc:///nonexistent", Manifests(path), found)
+    engine.check_load("s1", 4, "d" * 32, verified=True)  # the manifest's digest: fine
+    engine.check_load("s1", 4, "d" * 32, verified=True)  # the same load polled again
+    engine.check_load("s1", 5, "e" * 32, verified=True)  # no manifest yet: checked later
+    assert found.non_bit_exact == []
+    assert found.engine_loads_checked == 1
+    engine.check_load("s2", 4, "e" * 32, verified=True)  # another digest than the manifest's
+    engine.check_load("s3", 4, "d" * 32, verified=False)  # the daemon's own check failed
+    assert [(f["session"], f["verified"]) for f in found.non_bit_exact] == [
+        ("s2", True),
+        ("s3", False),
+    ]
