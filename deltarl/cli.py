@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     sub.add_parser(
         "up", help="run the whole RL loop on this machine, then summarise", add_help=False
     )
+    sub.add_parser(
+        "chaos", help="run the loop while SIGKILLing random daemons; check it", add_help=False
+    )
     sub.add_parser("keys", help="make the CURVE keys for tcp:// control sockets", add_help=False)
     for name, what in DAEMONS.items():
         sub.add_parser(name, help=what, add_help=False)
@@ -63,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl import up  # noqa: PLC0415 - heavy imports only when used
 
         return up.main(rest)
+    if args.command == "chaos":
+        from deltarl import chaos  # noqa: PLC0415 - heavy imports only when used
+
+        return chaos.main(rest)
     if args.command in ("trainer", "scheduler", "rollout"):
         import importlib  # noqa: PLC0415
 

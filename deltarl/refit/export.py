@@ -247,6 +247,10 @@ class ExportCore(DaemonCore):
         on the apply agent alone is not a reason: that is an operator's choice, which the next
         new version (or ``resync``) ends.
         """
+        if receiver is not None and self._older_than_held(self.taken, receiver):
+            # Whatever the reason (a restart of either agent, a failure, resync), a version
+            # older than the one the receiver holds is never sent: see ``_republished``.
+            return None
         if self.retry_at is not None and time.monotonic() < self.retry_at:
             return None
         if self.retry_at is not None:
@@ -267,15 +271,21 @@ class ExportCore(DaemonCore):
         replays the steps after it (bit-exactly: tests/trainer). The receiver keeps the newer
         version it holds; the trainer's next *newer* version goes as a delta against exactly
         what the receiver holds, so it arrives bit-exact whatever the replay produced. Sending
-        the old version instead would roll every engine back for nothing.
+        the old version instead would roll every engine back for nothing. That holds after a
+        restart of either agent too (a new receiver session, or no reference): a version
+        older than the receiver's active one is not sent then either (``deltarl chaos`` found
+        the engines rolled back when the apply agent restarted during a trainer's replay).
         """
         ref = self.ref
-        if (
-            ref.version is None
-            or version > ref.version
-            or receiver.session != ref.session
-            or receiver.active_version != ref.version
-        ):
+        same_receiver = (
+            ref.version is not None
+            and version <= ref.version
+            and receiver.session == ref.session
+            and receiver.active_version == ref.version
+        )
+        # Also when the reference says nothing (either agent restarted since): the receiver's
+        # own state says what it holds, and an older version would roll it back just the same.
+        if not same_receiver and not self._older_than_held(version, receiver):
             return False
         self.republished += 1
         detail = ""
@@ -294,10 +304,16 @@ class ExportCore(DaemonCore):
         logger.info(
             "version %d published again (trainer restart?): the receiver keeps %d%s",
             version,
-            ref.version,
+            receiver.active_version,
             detail,
         )
         return True
+
+    @staticmethod
+    def _older_than_held(version: int | None, receiver: ReceiverState) -> bool:
+        """Whether ``version`` is older than the version the receiver holds active."""
+        held = receiver.active_version
+        return version is not None and held is not None and version < held
 
     def _take_spare(self, published: np.ndarray) -> np.ndarray:
         """The buffer that receives a copy of the published bytes (allocated once, reused).

@@ -381,6 +381,9 @@ class RolloutService(DaemonCore):
                 "version": loaded,
                 "seconds": round(seconds, 6),
                 "verified": ok,
+                # What the engine loaded, for a check from outside (``deltarl chaos``) against
+                # the manifest store, independent of the comparison above.
+                "digest": self._last_digest,
                 "at": time.time(),
                 "done": time.monotonic(),
             }
@@ -427,6 +430,9 @@ class RolloutService(DaemonCore):
             "instance": self.config.instance,
             "session": self.session,
             "weight_version": self.engine_version,
+            # The digest of what the engine loaded for ``weight_version`` (None until the
+            # first load, or after a failed one): both are set together, between engine steps.
+            "digest": self._last_digest,
             "running_groups": len(self.in_flight),
             "queue_depth": self.queued,
             "generated_tokens": self.generated_tokens,

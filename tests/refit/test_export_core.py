@@ -298,3 +298,46 @@ def test_resync_and_a_restarted_receiver_get_the_newest_version_again(tmp_path: 
             await p.active(version)
 
     asyncio.run(scenario())
+
+
+def test_an_older_version_is_not_sent_to_a_restarted_receiver_holding_a_newer_one(
+    tmp_path: Path,
+) -> None:
+    # Found by `deltarl chaos`: a trainer restarted from its checkpoint publishes an older
+    # version again; the apply agent (or the export agent) restarted meanwhile. The older
+    # version must not be sent in full "because the receiver restarted" (or "no reference"):
+    # that rolled every engine back to it, until the replay caught up.
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            old = p.publish()
+            await p.active(old)
+            with p.published.lease() as snap:
+                old_bytes = np.array(snap.buffer)
+            held = p.publish()
+            await p.active(held)
+            with p.published.begin_write() as txn:  # the restarted trainer's checkpoint
+                txn.buffer[:] = old_bytes
+                txn.commit(old, allow_older=True)
+            async with asyncio.timeout(30):
+                while p.export.republished == 0:  # noqa: ASYNC110 - a core's state
+                    await asyncio.sleep(0.01)
+            sent = len(p.export.recent)
+            # the apply agent restarted, holding ``held`` and remembering nothing else
+            p.apply.session = "restarted"
+            p.apply.finished.clear()
+            retries = p.export.retries
+            p.feed.update(p.apply.receiver_state())
+            await asyncio.sleep(1.0)
+            assert p.rollout.active_version == held
+            assert p.export.retries == retries  # nothing sent again
+            p.export.ref.drop()  # what a restarted export agent holds: no reference
+            p.export.taken = None
+            await asyncio.sleep(1.0)
+            assert p.rollout.active_version == held
+            assert len(p.export.recent) == sent, [(r.version, r.kind) for r in p.export.recent]
+            # the trainer's next newer version goes, in full (the reference is gone)
+            await p.active(p.publish())
+            assert (p.export.recent[-1].kind, p.export.recent[-1].outcome) == ("full", "active")
+
+    asyncio.run(scenario())
