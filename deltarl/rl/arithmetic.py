@@ -1,17 +1,23 @@
 """The arithmetic task: procedurally generated problems with one exact answer, and a held-out
 evaluation split no training prompt repeats.
 
-A problem is ``a OP b`` with OP one of ``+ - *``, at one of ``LEVELS`` of difficulty (more
-digits, then multiplication), drawn by a fixed hash of (seed, split, id) so every process
-agrees on the dataset without storing it. The prompt asks for the answer in one fixed form:
+A problem is ``a OP b`` with OP one of ``+ - *``, at one of ``LEVELS`` of difficulty (from one
+digit each up to three-digit sums and two-digit products), drawn by a fixed hash of (seed,
+split, id) so every process agrees on the dataset without storing it. The prompt asks for the
+answer in one fixed form:
 
-    What is 47 + 385? Think briefly, then give the final answer on its own line as
-    "Answer: <number>".
+    What is 47 + 385? End your reply with "Answer: <number>".
 
-reward = 1.0 when the last ``Answer: N`` in the completion has N equal to the true value;
-``FORMAT_CREDIT`` (0.1) when it is there with another number (the form was learned, not the
-sum); 0 without one. Rewards that can be earned by form alone are kept small so that GRPO's
-group-normalised advantage is driven by correctness once most samples have the form.
+reward = 1.0 when the completion's answer equals the true value, else 0.0: exact, no credit
+for the form. The answer is the number after the last ``Answer:``; a completion without that
+form is read by its last number. (Measured on SmolLM2-135M-Instruct, greedy, chat template:
+the form was followed in a minority of replies, and the last number was the answer as often
+as the form was; paying only the form-following correct answers would leave most groups with
+no reward at all, so nothing for GRPO to learn from.)
+
+The levels are weighted towards the easy ones, where a 135M model is right a third of the time
+or more when greedy (and far less when sampling at temperature 1), so that groups carry signal
+at once; the hard ones leave room to learn.
 
 The evaluation split: ``eval_size`` problems drawn from their own hash stream; training
 problems that coincide with one of them are skipped (the next draw is used), so accuracy on the
@@ -42,7 +48,8 @@ TEMPLATE = (
     '"Answer: <number>".'
 )
 _PROMPT = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?")
-_ANSWER = re.compile(r"Answer:\s*\**\s*(-?[\d,]+)")
+_ANSWER = re.compile(r"Answer:\s*\**\s*(-?\d[\d,]*)")
+_NUMBER = re.compile(r"-?\d[\d,]*")
 
 Problem = tuple[int, str, int]
 
@@ -120,19 +127,13 @@ def parse(prompt: str) -> Problem:
 
 
 def answer(completion: str) -> int | None:
-    """The number of the last ``Answer: N`` in ``completion`` (commas allowed), or None."""
-    found = _ANSWER.findall(completion)
+    """The number after the last ``Answer:`` in ``completion``, else its last number (commas
+    as thousands separators allowed), or None."""
+    found = _ANSWER.findall(completion) or _NUMBER.findall(completion)
     if not found:
         return None
-    digits = found[-1].replace(",", "")
-    try:
-        return int(digits)
-    except ValueError:
-        return None
+    return int(found[-1].replace(",", ""))
 
 
 def score(problem: Problem, completion: str) -> float:
-    got = answer(completion)
-    if got is None:
-        return 0.0
-    return 1.0 if got == solve(problem) else FORMAT_CREDIT
+    return 1.0 if answer(completion) == solve(problem) else 0.0

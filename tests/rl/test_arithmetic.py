@@ -7,7 +7,6 @@ import pytest
 
 from deltarl.rl.arithmetic import (
     EVAL,
-    FORMAT_CREDIT,
     LEVELS,
     TRAIN,
     Arithmetic,
@@ -53,10 +52,13 @@ def test_the_held_out_split_never_appears_in_training() -> None:
     [
         ("47 + 385 = 432\nAnswer: 432", 1.0),
         ("Answer: 400\nWait, recheck.\nAnswer: 432", 1.0),  # the last answer counts
-        ("Answer: 432\nno, Answer: 431", FORMAT_CREDIT),
+        ("Answer: 432\nno, Answer: 431", 0.0),
         ("Answer: **432**", 1.0),
-        ("Answer: 1,432", FORMAT_CREDIT),
-        ("the answer is 432", 0.0),  # the number without the form
+        ("Answer: 1,432", 0.0),
+        ("Answer: 432, since 47 + 385 = 432 (not 400)", 1.0),  # the form wins over later numbers
+        ("47 + 385 = 432", 1.0),  # without the form: the last number
+        ("432 is wrong, it is 431", 0.0),
+        ("no number at all", 0.0),
         ("", 0.0),
     ],
 )
