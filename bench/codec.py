@@ -10,6 +10,10 @@ the result bit for bit against the trainer's version, and reports:
 - memcpy_gbps: a copy of the same number of bytes, measured in the same run;
 - bytes_per_change against entropy_bytes_per_change (codecs/entropy.py).
 
+``--versions DIR`` encodes real consecutive versions instead (recorded by ``deltarl up
+--keep-versions N`` from a real model learning a real task), so the codec is measured on the
+deltas it will carry, not only on a simulation of them.
+
 Every timing is the median of ``--repeat`` runs on warm buffers; the kernels are compiled
 before the first timed run.
 """
@@ -20,7 +24,8 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +35,8 @@ from deltarl.codecs.encoder import Chunk, DeltaEncoder
 from deltarl.codecs.entropy import iid_bound_bytes_per_change
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.warmup import warm_up
+from deltarl.engine.layout import Layout
+from deltarl.recorded_versions import pairs, read_versions
 from deltarl.sim.realistic_deltas import RealisticDeltas
 
 TARGETS = {"bytes_per_change_vs_bound": 1.05, "encode_vs_memcpy": 0.3, "apply_vs_memcpy": 0.5}
@@ -54,18 +61,46 @@ def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
     return nbytes / _median_time(lambda: np.copyto(dst, src), repeat) / 1e9
 
 
-def run(params: int, steps: int, repeat: int, seed: int) -> dict[str, Any]:
-    warm_up()
+def _simulated(
+    params: int, steps: int, seed: int
+) -> tuple[Layout, int, Iterator[tuple[np.ndarray, np.ndarray]]]:
     gen = RealisticDeltas(params, seed=seed)
-    layout = gen.layout
+
+    def versions() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        ref = gen.publish()
+        for _ in range(steps):
+            gen.step()
+            cur = gen.publish()
+            yield ref, cur
+            ref = cur
+
+    return gen.layout, gen.param_count, versions()
+
+
+def _recorded(
+    directory: Path, steps: int
+) -> tuple[Layout, int, Iterator[tuple[np.ndarray, np.ndarray]]]:
+    layout, versions = read_versions(directory)
+    if len(versions) < 2:
+        raise ValueError(f"{directory} holds no two consecutive versions")
+    chosen = list(pairs(versions))[:steps]
+    return layout, layout.numel, ((ref, cur) for _, ref, cur in chosen)
+
+
+def run(
+    params: int, steps: int, repeat: int, seed: int, versions: Path | None = None
+) -> dict[str, Any]:
+    """Simulated AdamW deltas, or (``versions``) real ones recorded by ``deltarl up
+    --keep-versions``; step i encodes version i against version i - 1 either way."""
+    warm_up()
+    layout, count, source = (
+        _simulated(params, steps, seed) if versions is None else _recorded(versions, steps)
+    )
     model_bytes = layout.payload_nbytes
     encoder = DeltaEncoder(layout)
-    ref = gen.publish()
-    result: dict[str, Any] = {"params": gen.param_count, "memcpy_gbps": 0.0, "steps": []}
+    result: dict[str, Any] = {"params": count, "memcpy_gbps": 0.0, "steps": []}
     memcpy = []
-    for step in range(1, steps + 1):
-        gen.step()
-        cur = gen.publish()
+    for step, (ref, cur) in enumerate(source, start=1):
         memcpy.append(memcpy_gbps(layout.nbytes))
 
         out: dict[str, Any] = {}
@@ -118,7 +153,6 @@ def run(params: int, steps: int, repeat: int, seed: int) -> dict[str, Any]:
                 "bit_exact": bit_exact,
             }
         )
-        ref = cur
     result["memcpy_gbps"] = statistics.median(memcpy)
     return result
 
@@ -172,16 +206,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps to encode (default 3)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per step; the median counts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--versions",
+        type=Path,
+        help="real consecutive versions recorded by `deltarl up --keep-versions N` (a run's "
+        "versions/ directory) instead of simulated ones; --params and --seed are then unused",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.repeat < 1:
         ap.error("--steps and --repeat must be at least 1")
     if not args.json:
-        print(
-            f"building a {args.params:,}-parameter model and taking {args.steps} AdamW steps...",
-            file=sys.stderr,
+        what = (
+            f"the versions recorded in {args.versions}"
+            if args.versions
+            else f"a {args.params:,}-parameter model and {args.steps} AdamW steps"
         )
-    result = run(args.params, args.steps, args.repeat, args.seed)
+        print(f"encoding {what}...", file=sys.stderr)
+    try:
+        result = run(args.params, args.steps, args.repeat, args.seed, args.versions)
+    except (OSError, ValueError) as e:
+        print(f"deltarl bench codec: {e}", file=sys.stderr)
+        return 2
     if args.json:
         import orjson  # noqa: PLC0415 - only the JSON path needs it
 

@@ -39,15 +39,13 @@ import orjson
 
 from deltarl.config import write_toml
 from deltarl.launch import DaemonGroup
+from deltarl.recorded_versions import VersionRecorder
 from deltarl.rl.protocol import REPLIES, GetHistory, History
+from deltarl.up_models import PROFILES, Profile
 from deltarl.up_summary import Progress, SummaryError, print_summary, summarise
 
 ORDER = ("scheduler", "trainer", "export", "apply", "rollout")
 START_TIMEOUT_S = 900.0
-# A random-init model of 1M parameters learning the default task: 1e-2 learned fastest among
-# 5e-3, 1e-2, 2e-2 at a lag bound of 1 (20 steps each, `deltarl up --lr X`); 2e-2 moved the
-# policy so far per step that a third of the tokens were clipped.
-LR = 1e-2  # the first run builds the model and tokenizer, vLLM imports slowly
 
 
 def default_home() -> Path:
@@ -57,7 +55,9 @@ def default_home() -> Path:
 class Run(DaemonGroup):
     """One ``deltarl up``: its directory, configuration and daemon processes."""
 
-    def __init__(self, directory: Path, shm: Path, steps: int) -> None:
+    def __init__(
+        self, directory: Path, shm: Path, steps: int, profile: Profile = PROFILES["tiny"]
+    ) -> None:
         # The sockets live in the short shared-memory directory, not the run directory: an
         # ipc:// path must fit sockaddr_un (107 bytes), which a run directory under a long
         # home may not.
@@ -65,6 +65,8 @@ class Run(DaemonGroup):
         super().__init__(directory, directory / "deltarl.toml", endpoints)
         self.shm = shm
         self.steps = steps
+        self.profile = profile
+        self.task = profile.task
 
     def endpoint(self, daemon: str, kind: str = "sock") -> str:
         return f"ipc://{self.shm}/{daemon}.{kind}"
@@ -96,6 +98,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
         "scheduler": {
             "control": run.endpoint("scheduler"),
             "db": str(d / "scheduler.sqlite"),
+            "task": args.task,
             "group_size": args.group_size,
             "groups_per_step": args.groups_per_step,
             "pool_capacity": 4 * args.groups_per_step,
@@ -116,6 +119,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_steps": run.steps,
             "lr": args.lr,
             "seed": args.seed,
+            **run.profile.trainer,
         },
         "export": {
             "control": run.endpoint("export"),
@@ -143,6 +147,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "store_root": shm,
             "model_dir": str(model_dir),
             "max_running_groups": 2 * args.groups_per_step,
+            "engine": run.profile.engine(),
         },
     }
     write_toml(run.config, {"daemons": daemons})
@@ -160,9 +165,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         type=Path,
         help="the run directory (default: a new one under $DELTARL_HOME/runs)",
     )
-    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
-    ap.add_argument("--groups-per-step", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--model",
+        choices=sorted(PROFILES),
+        default="tiny",
+        help="the policy: the embedded tiny model (default) or SmolLM2-135M-Instruct",
+    )
+    ap.add_argument("--task", help="the task (default: the model's: default / arithmetic)")
+    ap.add_argument("--group-size", type=int, help="samples per prompt (GRPO group)")
+    ap.add_argument("--groups-per-step", type=int)
+    ap.add_argument("--max-tokens", type=int)
     ap.add_argument(
         "--max-policy-lag",
         type=int,
@@ -170,12 +182,26 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="max_policy_lag_steps of the scheduler (default 1)",
     )
     ap.add_argument("--on-lag-exceeded", choices=("throttle", "drop", "sync"), default="throttle")
-    ap.add_argument("--lr", type=float, default=LR, help=f"the trainer's AdamW lr (default {LR})")
+    ap.add_argument("--lr", type=float, help="the trainer's AdamW lr (default: the model's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--keep-versions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="record the first N consecutive published versions in the run's versions/ "
+        "(real deltas for `deltarl bench codec --versions DIR`)",
+    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="give up after this long")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    if args.keep_versions < 0:
+        ap.error("--keep-versions must not be negative")
+    profile = PROFILES[args.model]
+    for key in ("task", "group_size", "groups_per_step", "max_tokens", "lr"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(profile, key))
     return args
 
 
@@ -188,15 +214,15 @@ def _recorded(run: Run, step: int) -> bool:
 
 def prepare(args: argparse.Namespace) -> Run:
     """A fresh run directory and shared-memory directory, the model, and the configuration."""
-    from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415 - transformers
-
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
     directory = args.workdir or default_home() / "runs" / run_id
     directory.mkdir(parents=True, exist_ok=False)
     shm = Path("/dev/shm") / f"deltarl-up-{run_id}"  # noqa: S108 - shared memory, not a temp file
     shm.mkdir(mode=0o700)  # private: the daemons' ipc sockets live here
-    run = Run(directory.resolve(), shm, args.steps)
-    write_config(run, ensure_default_model(default_home() / "models"), args)
+    profile = PROFILES[args.model]
+    run = Run(directory.resolve(), shm, args.steps, profile)
+    run.task = args.task
+    write_config(run, profile.model_dir(default_home()), args)
     return run
 
 
@@ -204,12 +230,18 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     out = sys.stderr if args.json else sys.stdout
     print(
-        "deltarl up: preparing (the first run builds the tiny model and its tokenizer)",
+        f"deltarl up: preparing {PROFILES[args.model].summary_name} on the {args.task} task "
+        "(the first run builds the model)",
         file=out,
         flush=True,
     )
     run = prepare(args)
     print(f"deltarl up: run directory {run.directory}", file=out, flush=True)
+    recorder = (
+        VersionRecorder("published", run.shm, run.directory / "versions", args.keep_versions)
+        if args.keep_versions
+        else None
+    )
     code = 1
     try:
         for daemon in ORDER:
@@ -231,7 +263,9 @@ def main(argv: list[str]) -> int:
                 for d in ORDER:
                     print(f"--- {run.log(d)}\n{run.tail(d)}", file=sys.stderr)
                 return 1
-            time.sleep(0.5)
+            if recorder is not None:
+                recorder.poll()
+            time.sleep(0.5 if recorder is None or recorder.done else 0.1)
         try:
             summary = summarise(run)
         except SummaryError as e:
@@ -246,6 +280,8 @@ def main(argv: list[str]) -> int:
         )
         return 130
     finally:
+        if recorder is not None:
+            recorder.close()
         codes = run.stop()
         with contextlib.suppress(OSError):
             shutil.rmtree(run.shm)

@@ -108,7 +108,15 @@ def summarise(run: Run) -> dict[str, Any]:
                 duplicates += int(samples)
             seen.add(prompt)
     lags = [int(r["lag_max"]) for r in rows if r.get("lag_max") is not None]
+    # The deltas the engine got (full versions left out: they are the model's size).
+    deltas = [
+        r
+        for r in export.get("recent") or []
+        if r.get("outcome") == "active" and r["kind"] == "delta"
+    ]
     return {
+        "model": run.profile.name,
+        "task": run.task,
         "steps": len(rows),
         "engine": str(rollout.get("engine") or "none"),
         "versions_applied": [int(r["version"]) for r in refits],
@@ -121,8 +129,16 @@ def summarise(run: Run) -> dict[str, Any]:
         "samples_trained": sum(int(r.get("samples") or 0) for r in rows),
         "duplicate_samples": duplicates,
         "max_policy_lag": max(lags, default=0),
+        "wire_bytes_median": _median([float(r["wire_bytes"]) for r in deltas]),
+        "changed_ratio_median": _median(
+            [r["changed"] / r["elements"] for r in deltas if r.get("elements")], digits=8
+        ),
         "counters": counters,
     }
+
+
+def _median(values: list[float], digits: int = 6) -> float:
+    return round(statistics.median(values), digits) if values else float("nan")
 
 
 def _not_trained(counters: dict[str, Any]) -> str:
@@ -149,7 +165,8 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         else f"NO: see {run.log('rollout')}"
     )
     lines = [
-        f"deltarl up: {s['steps']} optimizer steps of GRPO on the embedded tiny model.",
+        f"deltarl up: {s['steps']} optimizer steps of GRPO on {run.profile.summary_name}, "
+        f"task {s['task']}.",
         f"  rollout engine    {s['engine']}",
         f"  reward            {s['reward_first']:.3f} (first 3 steps) -> "
         f"{s['reward_last']:.3f} (last 3): {rise:+.3f}",
@@ -158,6 +175,8 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         "sample's oldest token version)",
         f"  weight refits     {len(versions)} versions loaded into the engine ({shown})",
         f"  refit time        median {s['refit_median_s']:.3f} s, export pick-up to engine",
+        f"  deltas            median {s['wire_bytes_median'] / 1e6:.3f} MB on the wire, "
+        f"{s['changed_ratio_median']:.4%} of the weights changed per version",
         f"  bit-exact         {exact}",
         f"  not trained       {_not_trained(s.get('counters') or {})}",
         f"  logs and state    {run.directory}",

@@ -43,6 +43,10 @@ KEYS = {
     "samples_trained": int,
     "duplicate_samples": int,
     "max_policy_lag": int,
+    "model": str,
+    "task": str,
+    "wire_bytes_median": float,
+    "changed_ratio_median": float,
 }
 
 
@@ -71,6 +75,10 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
         assert isinstance(result[key], kind), (key, result[key])
     assert result["steps"] == steps
     assert result["engine"] == "vllm"
+    assert (result["model"], result["task"]) == ("tiny", "default")
+    # real deltas of a real run: a share of the weights changed, far fewer bytes than a full one
+    assert 0 < result["changed_ratio_median"] < 1
+    assert 0 < result["wire_bytes_median"] < 2 * 1_200_000
     assert result["refit_bit_exact"] is True
     versions = result["versions_applied"]
     assert versions == sorted(versions)

@@ -456,6 +456,8 @@ class ExportCore(DaemonCore):
             send_s=round(send_s, 6),
             seconds=round(acked_at - t0, 4),
             receiver=acked_by,
+            changed=manifest.changed,
+            elements=self.encoder.layout.numel,
         )
         self.recent.append(record)
         if outcome is not None:

@@ -138,6 +138,10 @@ class RefitRecord:
     """From ``started_at`` to ``acked_at``."""
     receiver: ReceiverState | None = None
     """The state that acknowledged it: the receiver's own figures (``committed_at``...)."""
+    changed: int = 0
+    """Elements whose bits differ from the base (every element for a full version)."""
+    elements: int = 0
+    """Elements in the model: ``changed / elements`` is the version's changed ratio."""
 
     @property
     def total_s(self) -> float | None:
