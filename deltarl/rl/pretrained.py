@@ -100,7 +100,9 @@ def _build(gguf: Path, out: Path, name: str) -> None:
     import torch  # noqa: PLC0415 - heavy imports, only when a model is built
     from safetensors.torch import save_file  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
+    hf_logging.disable_progress_bar()  # a bar per tensor would bury `deltarl up`'s own lines
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
