@@ -32,10 +32,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from deltarl.rollout.worker_ext import QUALNAME
 
@@ -75,8 +75,36 @@ class VllmEngineConfig:
     initial_version: int = 0
     # Hand vLLM only the layers whose tensors changed since the last load.
     only_changed: bool = True
+    # "auto": render each prompt as a one-message user turn with the tokenizer's chat template
+    # when the model has one (an instruct model only follows the task's answer form then);
+    # True: always (an error without a template); False: the prompt text as it is.
+    chat: Literal["auto", True, False] = "auto"
     engine_args: dict[str, Any] = field(default_factory=dict)
-    """Further ``vllm.EngineArgs`` fields, passed through unchanged."""
+    """Further ``vllm.EngineArgs`` fields, passed through unchanged (over ``cpu_engine_args``
+    on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.chat not in (True, False, "auto"):
+            raise ValueError(f'chat must be true, false or "auto", got {self.chat!r}')
+
+
+CPU_MIN_BATCHED_TOKENS = 8192
+
+
+def cpu_engine_args(max_model_len: int) -> dict[str, Any]:
+    """What vLLM-CPU needs to serve this engine's requests, under any ``engine_args``.
+
+    Every sample here is seeded (``add_group``), and vLLM 0.32's CPU sampler crashes ("CPU
+    Generator does not use offset") when a seeded request's prompt is split by chunked
+    prefill: so no chunked prefill, and a token budget per step that holds a whole prompt
+    (vLLM requires it to be at least ``max_model_len`` without chunking). A property of the
+    engine on this platform, not a tuning knob, hence here and not in a daemon's table: the
+    tests and benches that build a ``VllmEngine`` directly need it as much as the daemon.
+    """
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(CPU_MIN_BATCHED_TOKENS, max_model_len),
+    }
 
 
 @dataclass
@@ -158,6 +186,8 @@ class VllmEngine:
         self._in_step = False
         self._torch_threads: int | None = None
         self.start_seconds: float | None = None
+        self.chat = False
+        """Prompts are rendered with the chat template (``config.chat``, decided at start)."""
 
     # ---- life cycle ---------------------------------------------------------------------
 
@@ -179,7 +209,10 @@ class VllmEngine:
         # vLLM's CPU worker lowers torch's thread count for serving; close() gives the
         # process its own setting back.
         self._torch_threads = torch.get_num_threads()
+        from vllm.platforms import current_platform  # noqa: PLC0415
+
         cfg = self.config
+        platform_args = cpu_engine_args(cfg.max_model_len) if current_platform.is_cpu() else {}
         args = EngineArgs(
             model=str(cfg.model),
             dtype=cfg.dtype,
@@ -193,11 +226,16 @@ class VllmEngine:
             distributed_executor_backend="uni",
             worker_extension_cls=QUALNAME,
             logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
-            **cfg.engine_args,
+            **{**platform_args, **cfg.engine_args},
         )
         with _llvmlite_hidden():
             self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
         self._engine.set_weight_version(str(self.version))
+        try:
+            self.chat = self._chat_enabled(self._engine)
+        except ValueError:
+            self.close()  # a configuration error: leave no engine behind in this process
+            raise
         self.start_seconds = time.perf_counter() - t0
         logger.info("vLLM engine for %s started in %.1f s", cfg.model, self.start_seconds)
 
@@ -279,9 +317,7 @@ class VllmEngine:
             raise ValueError(f"group {group_id!r}: unknown sampling fields {sorted(unknown)}")
         seed = sampling.get("seed")
         # Tokenised once per group; the salt travels inside the rendered prompt.
-        (rendered,) = engine.renderer.render_cmpl(
-            [{"prompt": prompt, "cache_salt": self.cache_salt}]
-        )
+        (rendered,) = engine.renderer.render_cmpl([self._prompt(engine, prompt)])
         self._groups[group_id] = _Group(n)
         for i in range(n):
             params = SamplingParams(
@@ -300,6 +336,29 @@ class VllmEngine:
             request_id = f"{group_id}#{i}"
             self._requests[request_id] = _Request(group_id, i, dict(rendered), params)
             engine.add_request(request_id, dict(rendered), params)
+
+    def _chat_enabled(self, engine: LLMEngine) -> bool:
+        """Whether prompts go through the chat template (``VllmEngineConfig.chat``)."""
+        has_template = getattr(engine.get_tokenizer(), "chat_template", None) is not None
+        if self.config.chat is True and not has_template:
+            raise ValueError(
+                f"chat = true, but the tokenizer of {self.config.model} has no chat template"
+            )
+        return has_template if self.config.chat == "auto" else bool(self.config.chat)
+
+    def _prompt(self, engine: LLMEngine, prompt: str) -> dict[str, Any]:
+        """The request's prompt: the text, or the token ids of the text as the user's one
+        message of a chat with the assistant's turn opened (tokenised by the template, so its
+        special tokens are not added twice). Either way vLLM reports the tokens it served as
+        the sample's ``prompt_token_ids``, which the trainer trains on."""
+        if not self.chat:
+            return {"prompt": prompt, "cache_salt": self.cache_salt}
+        ids = engine.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, Mapping):  # transformers 5 answers a BatchEncoding
+            ids = ids["input_ids"]
+        return {"prompt_token_ids": [int(t) for t in ids], "cache_salt": self.cache_salt}
 
     def step(self) -> list[FinishedGroup]:
         """Run one engine iteration; the groups whose samples all finished in it."""

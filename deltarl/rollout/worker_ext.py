@@ -104,7 +104,8 @@ class DeltaWorkerExtension:
           that keeps the checkpoint's name, shape and dtype (embeddings, norms, an untied
           lm_head: on CPU 11 of the tiny model's 45 tensors) is read back from the engine's
           model and compared bit for bit with the store's tensor, whether or not it was
-          handed over this time.
+          handed over this time. A float32 engine holds the bf16 tensors widened: those are
+          compared with the store's tensor widened to float32 (exact), bit for bit too.
         * ``digest``: the model digest (``codecs.checksum.model_digest``, layout order) of the
           consumed digests, plus the remembered digests of the layers not handed over (which
           were consumed by an earlier load). Equal to the manifest's when bit-exact.
@@ -194,7 +195,8 @@ class DeltaWorkerExtension:
         }
 
     def _deltarl_readback(self, snap: Snapshot) -> int:
-        """Compare every parameter stored 1:1 (name, shape, dtype) with the store, bitwise."""
+        """Compare every parameter stored 1:1 (name, shape, and dtype or a float32 widening of
+        a bfloat16 tensor) with the store, bitwise."""
         import torch  # noqa: PLC0415 - in the worker's process, torch is loaded anyway
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -203,10 +205,18 @@ class DeltaWorkerExtension:
         for spec in snap.layout.tensors:
             param = params.get(spec.name)
             want = snap.tensor(spec.name)
-            if param is None or param.shape != want.shape or param.dtype != want.dtype:
-                continue  # fused, repacked, widened or renamed: not readable as loaded
+            if param is None or param.shape != want.shape:
+                continue  # fused, repacked or renamed: not readable as loaded
+            if param.dtype != want.dtype:
+                if (param.dtype, want.dtype) != (torch.float32, torch.bfloat16):
+                    continue  # a conversion that may round: nothing exact to compare
+                # A float32 engine (vLLM casts the bf16 checkpoint on load). Widening bf16 to
+                # float32 is exact and one-to-one, so the engine's parameter must equal the
+                # widened store tensor bit for bit; comparing this way round (rather than
+                # narrowing the parameter) also catches stray low mantissa bits.
+                want = want.to(torch.float32)
             have = param.detach().contiguous().reshape(-1).view(torch.uint8)
-            ref = want.reshape(-1).view(torch.uint8).to(have.device)
+            ref = want.contiguous().reshape(-1).view(torch.uint8).to(have.device)
             if not torch.equal(have, ref):
                 differ = int((have != ref).sum())
                 raise WeightVerificationError(
