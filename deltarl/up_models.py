@@ -25,7 +25,7 @@ from typing import Any
 # lag bound of 1 (20 steps each, `deltarl up --lr X`); 2e-2 moved the policy so far per step
 # that a third of the tokens were clipped.
 LR_TINY = 1e-2
-LR_SMOLLM2 = 2e-6
+LR_SMOLLM2 = 1e-5
 
 CPU_ENGINE = {
     "dtype": "float32",
