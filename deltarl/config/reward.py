@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from deltarl.config.base import DaemonTable
 from deltarl.config.checks import at_least, endpoints, non_negative, positive, within
-
-ScorerName = Literal["rule", "judge"]
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,9 @@ class RewardConfig(DaemonTable):
     """The task whose rule checker the ``rule`` scorer runs (``deltarl.rl.task.tasks()``);
     a ``ScoreGroup`` naming another task is refused (``wrong_task``)."""
     seed: int = 0
-    scorer: ScorerName = "rule"
-    """``rule``: the task's own checker; ``judge``: a model grades the answers."""
+    scorer: str = "rule"
+    """The plugin by name (``deltarl.reward.scorer.SCORERS``): ``rule``, the task's own
+    checker; ``judge``, a model grades the answers."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     max_concurrency: int = 8
     """Groups scored at once; more wait (within their request's timeout)."""

@@ -6,25 +6,32 @@ loses nothing, one refused would have to be generated again. Waiting is bounded 
 caller's own timeouts (the submit's request timeout), so a bucket far too small shows up as
 timeouts, counted, not as a hang.
 
-Not thread-safe: one event loop uses it. The clock is a parameter, so tests step it.
+Not thread-safe: one event loop uses it. The clock and the sleep are parameters, so
+tests step them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 class TokenBucket:
     def __init__(
-        self, rate_per_s: float, burst: int = 1, *, clock: Callable[[], float] = time.monotonic
+        self,
+        rate_per_s: float,
+        burst: int = 1,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if rate_per_s <= 0 or burst < 1:
             raise ValueError("rate_per_s > 0 and burst >= 1 are required")
         self.rate = rate_per_s
         self.burst = float(burst)
         self.clock = clock
+        self.sleep = sleep
         self.tokens = float(burst)
         self.updated = clock()
 
@@ -46,6 +53,6 @@ class TokenBucket:
         """Wait for a token and take it; the seconds waited."""
         waited = 0.0
         while (wait := self.try_take()) > 0:
-            await asyncio.sleep(wait)
+            await self.sleep(wait)
             waited += wait
         return waited
