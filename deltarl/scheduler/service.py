@@ -49,7 +49,10 @@ decode, names another group or holds other than ``group_size`` samples; checked 
 scoring, so nothing the trainer cannot build a batch from is ever pooled). Either way the submit is
 answered with an Error of that reason. After ``max_reward_failures`` failed groups the prompt
 is abandoned (``abandoned_prompts``), so a prompt that can never be scored or sampled cleanly
-cannot stall the run, and is never lost silently either.
+cannot stall the run, and is never lost silently either. A reward *service* that is out
+(``[daemons.scheduler.reward]``, its circuit breaker open: ``reward_client``) is no failure of
+the group: the submit is answered ``reward_unavailable``, nothing is dropped or counted against
+the prompt, and the group stays issued for its instance to submit again.
 """
 
 from __future__ import annotations
