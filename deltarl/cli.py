@@ -16,6 +16,7 @@ DAEMONS = {
     "apply": "run the apply agent: receive, verify and activate versions",
     "scheduler": "run the scheduler: prompts, dispatch, rewards, sample pool, lag bound",
     "rollout": "run a rollout daemon: vLLM generation, refit between engine steps",
+    "reward": "run the reward service: scores samples for the scheduler (rule or judge)",
 }
 
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl import chaos  # noqa: PLC0415 - heavy imports only when used
 
         return chaos.main(rest)
-    if args.command in ("trainer", "scheduler", "rollout"):
+    if args.command in ("trainer", "scheduler", "rollout", "reward"):
         import importlib  # noqa: PLC0415
 
         daemon = importlib.import_module(f"deltarl.daemons.{args.command}")

@@ -27,13 +27,14 @@ SERVICES = {
     "trainer": "deltarl-trainer.service",
     "scheduler": "deltarl-scheduler.service",
     "rollout": "deltarl-rollout@.service",
+    "reward": "deltarl-reward.service",
 }
 # The template's instance that verify checks (verify needs an instance name).
 INSTANCES = {"deltarl-rollout@.service": "deltarl-rollout@0.service"}
 # Arguments after --config: each rollout instance reads its own [daemons.rollout-N] table.
 EXTRA_ARGS = {"rollout": " --name rollout-%i"}
 # The RL daemons' tables in deltarl.toml.example are commented out (see that file).
-COMMENTED_TABLES = ("trainer", "scheduler", "rollout-0")
+COMMENTED_TABLES = ("trainer", "scheduler", "rollout-0", "reward")
 TARGET = "deltarl.target"
 BINARY = "/usr/local/bin/deltarl"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -280,6 +281,7 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
         },
         # apply_control is accepted but unused: the digest is in the rollout store
         "rollout": {"control", "scheduler", "rollout_store", "model_dir"},
+        "reward": {"control", "task", "scorer", "max_concurrency"},
     }[daemon]
     assert set(table) == expected
     assert f"deltarl {daemon} --help" in text  # where the keys are described
@@ -299,6 +301,16 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
         assert table["db"].startswith("/var/lib/deltarl/")  # the StateDirectory
         # Shown as what every daemon derives when it is not set.
         assert table["samples"] == samples_endpoint(table["control"])
+    if daemon == "reward":
+        client = tomllib.loads(commented_table(text, "scheduler.reward"))["daemons"]
+        assert client["scheduler"]["reward"]["endpoint"] == table["control"]
+        assert table["task"] == scheduler.get("task", "default")
+        # Both tables are configurations the daemons accept.
+        from deltarl.config.reward import RewardClientConfig, RewardConfig  # noqa: PLC0415
+        from deltarl.config.tables import build  # noqa: PLC0415
+
+        build(RewardConfig, "reward", table)
+        build(RewardClientConfig, "scheduler.reward", client["scheduler"]["reward"])
     if daemon == "rollout":
         assert table["rollout_store"] == config["apply"]["rollout_store"]
         assert "apply_control" not in table  # unused: the digest is in the rollout store

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from deltarl.config.base import DaemonTable
 from deltarl.config.checks import at_least, endpoints, non_negative, positive
+from deltarl.config.reward import RewardClientConfig
 from deltarl.transport.blobs import DEFAULT_MAX_FRAME_BYTES, samples_endpoint
 
 
@@ -194,6 +195,10 @@ class SchedulerConfig(DaemonTable):
     reward_timeout_s: float = 10.0
     reward_retries: int = 2
     reward_workers: int = 8
+    reward: RewardClientConfig | None = None
+    """``[daemons.scheduler.reward]``: score on the reward daemon at ``endpoint`` (timeout,
+    retries, concurrency, rate limit, circuit breaker: ``deltarl.config.reward``); None: in
+    this process with the three ``reward_*`` keys above."""
     max_reward_failures: int = 3
     """A prompt whose group failed this often is abandoned (counted ``abandoned_prompts``);
     0: never. A failure: its reward could not be had (``reward_*``), or its samples were

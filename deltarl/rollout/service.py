@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 from deltarl.engine.weight_store import WeightStore
+from deltarl.reward.protocol import REWARD_UNAVAILABLE
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
 from deltarl.rl.samples import Group, Sample, SampleError, encode_group
 from deltarl.transport.blobs import BlobError
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 5.0
+REWARD_UNAVAILABLE_WAIT_S = 1.0
 HAND_BACK_TIMEOUT_S = 2.0
 MAX_REFITS = 4096
 
@@ -94,6 +96,7 @@ class RolloutService(DaemonCore):
         self.activity = "starting"
         self.generated_tokens = 0
         self.submitted_groups = 0
+        self.reward_waits = 0  # submits answered reward_unavailable, to be tried again
         self.refused_groups = 0
         # Every engine update, in order (the last MAX_REFITS: a daemon runs for weeks).
         self.refits: deque[dict[str, Any]] = deque(maxlen=MAX_REFITS)
@@ -263,6 +266,12 @@ class RolloutService(DaemonCore):
             if isinstance(reply, Ok):
                 self.submitted_groups += 1
                 return
+            if isinstance(reply, Error) and reply.code == REWARD_UNAVAILABLE:
+                # The scheduler's reward service is out and it kept the group issued to us:
+                # submit it again after a pause (the lease bounds how long that may go on).
+                self.reward_waits += 1
+                await asyncio.sleep(REWARD_UNAVAILABLE_WAIT_S)
+                continue
             if isinstance(reply, Error):
                 self.refused_groups += 1
                 logger.warning("group %s refused by the scheduler: %s", group_id, reply.message)
@@ -438,6 +447,7 @@ class RolloutService(DaemonCore):
             "generated_tokens": self.generated_tokens,
             "tokens_per_s": round(self.tokens_per_s(), 3),
             "submitted_groups": self.submitted_groups,
+            "reward_waits": self.reward_waits,
             "refused_groups": self.refused_groups,
             "sync_to": self.sync_to,
             "refits": list(self.refits),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from deltarl.scheduler import reward_stats
 from deltarl.scheduler.blob_table import BlobTable
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class StepRetention(BlobTable):
             prompts = conn.execute(f"DELETE {trained}", (last,)).rowcount
             self._release(conn, refs)  # none: a checkpoint released them; kept as the rule
             conn.execute("DELETE FROM steps WHERE step <= ?", (last,))
+            reward_stats.prune(conn, last)
             conn.execute(
                 "INSERT INTO meta VALUES ('pruned_through', ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = MAX(CAST(value AS INTEGER), ?)",

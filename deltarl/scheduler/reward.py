@@ -23,6 +23,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,12 @@ class RewardFailedError(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class RewardUnavailableError(Exception):
+    """The reward service cannot score now (its circuit breaker is open): not the group's
+    fault, so the group is neither dropped nor counted as a failure; it is refused as
+    ``reward_unavailable`` and submitted again later (``deltarl.scheduler.reward_client``)."""
 
 
 def _checked(value: object) -> float:
@@ -78,6 +85,13 @@ class RewardScorer:
             for t in tasks:  # one failed: the others' results are of no use any more
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def status(self) -> dict[str, Any]:
+        """The scheduler's status of its rewards: scored in this process."""
+        return {"service": "in_process", "workers": self.workers, "stuck": self.stuck}
+
+    async def close(self) -> None:
+        """Nothing to release: abandoned threads are daemon threads."""
 
     async def score(self, prompt: str, text: str) -> float:
         last = RewardFailedError("reward_error", "not tried")

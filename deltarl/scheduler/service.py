@@ -49,7 +49,10 @@ decode, names another group or holds other than ``group_size`` samples; checked 
 scoring, so nothing the trainer cannot build a batch from is ever pooled). Either way the submit is
 answered with an Error of that reason. After ``max_reward_failures`` failed groups the prompt
 is abandoned (``abandoned_prompts``), so a prompt that can never be scored or sampled cleanly
-cannot stall the run, and is never lost silently either.
+cannot stall the run, and is never lost silently either. A reward *service* that is out
+(``[daemons.scheduler.reward]``, its circuit breaker open: ``reward_client``) is no failure of
+the group: the submit is answered ``reward_unavailable``, nothing is dropped or counted against
+the prompt, and the group stays issued for its instance to submit again.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from typing import Any, ClassVar
 
 from deltarl.config.rl import SchedulerConfig
 from deltarl.engine.daemon import DaemonCore, PauseGate
+from deltarl.reward.protocol import REWARD_UNAVAILABLE
 from deltarl.rl.protocol import (
     RL_COMMANDS,
     Batch,
@@ -89,7 +93,9 @@ from deltarl.scheduler.policy import (
     WorkRequest,
     make_policy,
 )
-from deltarl.scheduler.reward import RewardFailedError, RewardScorer
+from deltarl.scheduler.reward import RewardFailedError, RewardUnavailableError
+from deltarl.scheduler.reward_scorers import make_reward_scorer
+from deltarl.scheduler.reward_stats import RewardWindow
 from deltarl.scheduler.rows import Group, PromptState, parse_group_id
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.transport.control import Handler
@@ -132,13 +138,8 @@ class SchedulerService(DaemonCore):
         self.store = store
         self.task = task or make_task(config.task, seed=config.seed, size=config.dataset_size)
         self.policy = policy or make_policy(config.policy)
-        self.scorer = RewardScorer(
-            self.task.reward,
-            timeout_s=config.reward_timeout_s,
-            retries=config.reward_retries,
-            workers=config.reward_workers,
-            count=store.bump,
-        )
+        self.reward_window = RewardWindow()
+        self.scorer = make_reward_scorer(config, self.task, self._count_reward)
         self.monotonic = monotonic
         self.gate = PauseGate()
         self.instances: dict[str, Instance] = {}
@@ -155,6 +156,10 @@ class SchedulerService(DaemonCore):
                 self.instances.setdefault(
                     g.instance, Instance(g.instance, g.session, now, wall, g.weight_version)
                 )
+
+    def _count_reward(self, name: str) -> None:
+        self.store.bump(name)
+        self.reward_window.note(name)
 
     @property
     def paused(self) -> bool:
@@ -472,10 +477,14 @@ class SchedulerService(DaemonCore):
     ) -> Reply:
         prompt = self.task.prompt(group.prompt_id)
         n = len(samples.samples)
+        started = self.monotonic()
         try:
             rewards = await self.scorer.score_group(prompt, [s.text for s in samples.samples])
         except RewardFailedError as e:
             return self._drop_failed(group, e.reason, n, str(e), blob=blob[0])
+        except RewardUnavailableError as e:  # an outage: nothing dropped, nothing counted
+            return Error(REWARD_UNAVAILABLE, str(e))  # against the group (reward_client.py)
+        self.reward_window.observe(self.monotonic() - started)
         oldest = samples.oldest_version()
         if oldest is None:
             oldest = group.weight_version
@@ -502,8 +511,14 @@ class SchedulerService(DaemonCore):
         if self.trainer_version is None or cmd.trainer_version > self.trainer_version:
             self.trainer_version = cmd.trainer_version
         result = self.store.ship(
-            cmd.step, cmd.groups, cmd.trainer_version, cfg.max_policy_lag_steps
+            cmd.step,
+            cmd.groups,
+            cmd.trainer_version,
+            cfg.max_policy_lag_steps,
+            reward=self.reward_window.figures(),
         )
+        if result.groups and not result.replayed:  # recorded with this new step
+            self.reward_window.reset()
         if result.pruned:
             return Error(
                 "checkpointed",
@@ -599,6 +614,7 @@ class SchedulerService(DaemonCore):
                 for i in self.instances.values()
             },
             "counters": self.counters(),
+            "reward": {**self.scorer.status(), **self.reward_window.figures()},
             "paused": self.paused,
         }
 
@@ -608,3 +624,4 @@ class SchedulerService(DaemonCore):
         if pending:
             with contextlib.suppress(Exception):
                 await asyncio.wait(pending, timeout=self.config.reward_timeout_s)
+        await self.scorer.close()

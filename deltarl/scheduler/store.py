@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
 import orjson
 
+from deltarl.scheduler import reward_stats
 from deltarl.scheduler.retention import StepRetention
 from deltarl.scheduler.rows import (
     COLUMNS,
@@ -165,6 +166,7 @@ class SchedulerStore(StepRetention):
             )
             names = [d[0] for d in cur.description]
             rows = [dict(zip(names, r, strict=True)) for r in cur]
+            reward_stats.attach(conn, rows)
         for row in rows:
             row["metrics"] = orjson.loads(row["metrics"]) if row["metrics"] else {}
             row["checkpointed"] = bool(row["checkpointed"])
@@ -432,9 +434,17 @@ class SchedulerStore(StepRetention):
             )
             return [group_from_row(r) for r in rows]
 
-    def ship(self, step: int, groups: int, trainer_version: int, max_lag: int) -> ShipResult:
+    def ship(
+        self,
+        step: int,
+        groups: int,
+        trainer_version: int,
+        max_lag: int,
+        reward: Mapping[str, Any] | None = None,
+    ) -> ShipResult:
         """The groups of ``step``: the same ones again if it was shipped (exact replay), else
-        the oldest ``groups`` pooled ones within the lag bound, all or none.
+        the oldest ``groups`` pooled ones within the lag bound, all or none. ``reward``: the
+        scoring figures since the last step (``reward_stats``), recorded with a new step.
 
         Lag = ``trainer_version`` - the group's oldest token version, measured now, so time in
         the pool counts. A pooled group over ``max_lag`` can only get staler: it is dropped
@@ -504,6 +514,8 @@ class SchedulerStore(StepRetention):
                     now,
                 ),
             )
+            if reward is not None:
+                reward_stats.insert(conn, step, reward)
             self._bump(conn, "shipped_groups", len(taken))
             self._bump(conn, "shipped_samples", len(rewards))
             conn.execute(

@@ -147,6 +147,25 @@ def test_a_refused_group_is_dropped_and_counted(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_submit_refused_for_reward_unavailable_is_held_and_sent_again(tmp_path: Path) -> None:
+    # The scheduler's reward service is out and it kept the group issued: not a refusal.
+    async def scenario() -> None:
+        scheduler = Scheduler(Error("reward_unavailable", "circuit breaker open"), Ok())
+        service = _service(scheduler, tmp_path)
+        service.in_flight["1.0"] = 0.0
+        submit = asyncio.ensure_future(service._submit("1.0", [SAMPLE]))
+        while len(scheduler.sent) < 1:  # noqa: ASYNC110 - the scripted scheduler has no event
+            await asyncio.sleep(0.01)
+        assert service.submitting == {"1.0"}  # still held: heartbeats keep listing it
+        await submit
+        assert [type(c) for c in scheduler.sent] == [SubmitGroup] * 2
+        assert (service.submitted_groups, service.refused_groups) == (1, 0)
+        assert service.status_fields()["reward_waits"] == 1
+        await service.close()
+
+    asyncio.run(scenario())
+
+
 def test_drain_waits_for_the_groups_being_submitted(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler = Scheduler(TimeoutError("down"), Ok())

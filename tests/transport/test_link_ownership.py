@@ -213,6 +213,6 @@ def test_group_access_is_opt_in_and_others_never_get_any(
     assert not (tmp_path / "world.sock").exists()
     # The systemd units opt in: operators of the group deltarl use `deltarl ctl` on them.
     units = sorted((Path(__file__).parents[2] / "systemd").glob("deltarl-*.service"))
-    assert len(units) == 5
+    assert len(units) == 6  # export, apply, trainer, scheduler, rollout@, reward
     for unit in units:
         assert "\nEnvironment=DELTARL_IPC_MODE=0660\n" in unit.read_text(), unit.name
