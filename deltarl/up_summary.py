@@ -133,6 +133,12 @@ def summarise(run: Run) -> dict[str, Any]:
         "changed_ratio_median": _median(
             [r["changed"] / r["elements"] for r in deltas if r.get("elements")], digits=8
         ),
+        # The scheduler keeps P99 per step (its reward calls since the previous step); the
+        # run's figure is the worst step's: an upper bound of the run's own P99.
+        "reward_p99_s": max(
+            (float(r["reward_p99_s"]) for r in rows if r.get("reward_p99_s") is not None),
+            default=float("nan"),
+        ),
         "counters": counters,
     }
 

@@ -47,6 +47,7 @@ KEYS = {
     "task": str,
     "wire_bytes_median": float,
     "changed_ratio_median": float,
+    "reward_p99_s": float,
 }
 
 
@@ -79,6 +80,7 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     # real deltas of a real run: a share of the weights changed, far fewer bytes than a full one
     assert 0 < result["changed_ratio_median"] < 1
     assert 0 < result["wire_bytes_median"] < 2 * 1_200_000
+    assert 0 < result["reward_p99_s"] < 10  # in-process rule scoring: milliseconds
     assert result["refit_bit_exact"] is True
     versions = result["versions_applied"]
     assert versions == sorted(versions)
