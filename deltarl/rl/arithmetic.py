@@ -34,19 +34,16 @@ from deltarl.rl.task import mix64
 # (digits of a, digits of b, operators), easiest first. Drawn with the weights below: the
 # easy levels let a 135M model earn rewards at once, the hard ones leave room to learn.
 LEVELS: tuple[tuple[int, int, str], ...] = (
+    (1, 1, "+-*"),
+    (2, 1, "+-"),
+    (2, 1, "*"),
     (2, 2, "+-"),
     (3, 3, "+-"),
-    (2, 1, "*"),
-    (4, 4, "+-"),
     (2, 2, "*"),
 )
-WEIGHTS = (3, 3, 2, 1, 1)
-FORMAT_CREDIT = 0.1
+WEIGHTS = (3, 3, 2, 2, 1, 1)
 TRAIN, EVAL = 1, 2  # hash streams of the two splits
-TEMPLATE = (
-    "What is {a} {op} {b}? Think briefly, then give the final answer on its own line as "
-    '"Answer: <number>".'
-)
+TEMPLATE = 'What is {a} {op} {b}? End your reply with "Answer: <number>".'
 _PROMPT = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?")
 _ANSWER = re.compile(r"Answer:\s*\**\s*(-?\d[\d,]*)")
 _NUMBER = re.compile(r"-?\d[\d,]*")
