@@ -30,6 +30,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -228,6 +229,9 @@ def prepare(args: argparse.Namespace) -> Run:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    # SIGTERM unwinds like Ctrl-C: the daemons run in sessions of their own, so without this a
+    # `kill` of `deltarl up` would leave all five running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = sys.stderr if args.json else sys.stdout
     print(
         f"deltarl up: preparing {PROFILES[args.model].summary_name} on the {args.task} task "
