@@ -14,6 +14,7 @@ from statistics import fmean, pstdev
 import orjson
 
 from deltarl.scheduler.blob_table import BLOB_SCHEMA
+from deltarl.scheduler.eval_store import EVAL_SCHEMA
 
 SCHEMA_VERSION = 2
 """2: samples are blobs (``blob_table``) referenced by ``samples_ref``, no longer JSON inline."""
@@ -86,6 +87,8 @@ SCHEMA = (
     )
     """,
     *BLOB_SCHEMA,
+    # Held-out evaluation (deltarl.scheduler.eval_store); created on open in an older file.
+    *EVAL_SCHEMA,
 )
 
 

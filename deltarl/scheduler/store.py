@@ -40,6 +40,7 @@ from typing import Any
 
 import orjson
 
+from deltarl.scheduler.eval_store import EvalTables
 from deltarl.scheduler.retention import StepRetention
 from deltarl.scheduler.rows import (
     COLUMNS,
@@ -57,7 +58,7 @@ from deltarl.scheduler.rows import (
 logger = logging.getLogger(__name__)
 
 
-class SchedulerStore(StepRetention):
+class SchedulerStore(EvalTables, StepRetention):
     """The scheduler's tables in one sqlite file; one writer process, any number of readers.
 
     Every method is one snapshot or one transaction, safe from several threads (one connection
