@@ -221,6 +221,9 @@ class SchedulerConfig(DaemonTable):
     """Evaluate the policy on the task's held-out split every this many steps, and once before
     training (step 0), greedily, one sample per prompt (deltarl/scheduler/evaluation.py); the
     accuracy goes to the run history. 0: never; a task without a held-out split: never."""
+    eval_prompts: int = 0
+    """Evaluate on the first this many prompts of the held-out split; 0: all of it
+    (``task.eval_size``). A CPU engine decodes a 64-prompt round in tens of seconds."""
     keep_steps: int = 1000
     """Steps whose records the store keeps: older checkpointed steps lose their ``steps`` row
     (the run history) and their trained prompt rows (deltarl/scheduler/retention.py). Steps
@@ -236,7 +239,7 @@ class SchedulerConfig(DaemonTable):
         if self.samples is None:
             samples_endpoint(self.control)  # derivable now, not a surprise at bind time
         non_negative(self, "max_policy_lag_steps", "reward_retries", "max_reward_failures")
-        non_negative(self, "dataset_size", "not_held_grace_s", "eval_every")
+        non_negative(self, "dataset_size", "not_held_grace_s", "eval_every", "eval_prompts")
         if self.pool_capacity < self.groups_per_step:
             raise ValueError(
                 f"pool_capacity ({self.pool_capacity}) must hold at least groups_per_step "

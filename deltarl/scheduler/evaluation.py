@@ -14,8 +14,9 @@ training groups, marked ``"eval": true`` with ids ``e<step>.<i>.<attempt>``
   are ``eval.*``), and their samples' blob is released at once;
 - training is never held up by more than a share of the engines' slots: an instance gets eval
   groups only once it holds weights at or past the round's version, at most half of the
-  groups it asks for (one sample each, against ``group_size`` for a training group), and eval
-  groups take no pool capacity and do not enter the lag gate.
+  groups it asks for (one sample each, against ``group_size`` for a training group) plus the
+  slots training work leaves unused (pool full, throttled), and eval groups take no pool
+  capacity and do not enter the lag gate.
 
 Greedy is allowed here and nowhere in training: the training ``Sampling`` still refuses any
 temperature but 1.0, because the GRPO ratio needs the engine's log-probabilities of the
@@ -78,7 +79,8 @@ class Evaluation:
         self.store = store
         self.task = task
         self.scorer = scorer
-        self.size = int(getattr(task, "eval_size", 0)) if hasattr(task, "eval_prompt") else 0
+        split = int(getattr(task, "eval_size", 0)) if hasattr(task, "eval_prompt") else 0
+        self.size = min(split, config.eval_prompts) if config.eval_prompts else split
         self.enabled = config.eval_every > 0 and self.size > 0
         if config.eval_every > 0 and not self.size:
             logger.warning(
@@ -119,19 +121,26 @@ class Evaluation:
 
     # -- work -----------------------------------------------------------------------------
 
+    @staticmethod
+    def share(max_groups: int) -> int:
+        """The eval groups an instance asking for ``max_groups`` gets before training work:
+        half of them (at least one). Eval groups are one sample each, so this is far less
+        than half of the engine's sequences."""
+        return max(1, max_groups // 2)
+
     def work(
-        self, instance: str, session: str, version: int | None, max_groups: int
+        self, instance: str, session: str, version: int | None, limit: int
     ) -> list[dict[str, Any]]:
-        """Eval groups for an instance asking for ``max_groups``: at most half of them, and
-        none unless it holds the open round's version or a newer one."""
-        if not self.enabled or max_groups < 1 or version is None:
+        """Up to ``limit`` groups of the open round; none unless the instance holds the
+        round's version or a newer one."""
+        if not self.enabled or limit < 1 or version is None:
             return []
         current = self.store.eval_open()
         if current is None or version < current.target_version:
             return []
         issued = self.store.issue_eval(
             current.step,
-            max(1, max_groups // 2),
+            limit,
             instance=instance,
             session=session,
             weight_version=version,

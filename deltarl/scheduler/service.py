@@ -297,11 +297,15 @@ class SchedulerService(DaemonCore):
         if self.paused:
             return self._wait("paused")
         # Eval groups first (a share of the slots: deltarl.scheduler.evaluation), training
-        # groups in the rest; the eval ones pass no pool or lag gate, as nothing trains on them.
-        evals = self.evals.work(cmd.instance, cmd.session, inst.weight_version, cmd.max_groups)
+        # groups in the rest, and eval again in what training leaves; the eval ones pass no
+        # pool or lag gate, as nothing trains on them.
+        version, share = inst.weight_version, self.evals.share(cmd.max_groups)
+        evals = self.evals.work(cmd.instance, cmd.session, version, share)
         reply = self._training_work(cmd, inst, cmd.max_groups - len(evals))
         if not evals:
             return reply
+        spare = cmd.max_groups - len(evals) - len(reply.groups)  # what training left unused
+        evals += self.evals.work(cmd.instance, cmd.session, version, spare)
         return Work([*evals, *reply.groups], reason=reply.reason, sync_to=reply.sync_to)
 
     def _training_work(self, cmd: GetWork, inst: Instance, max_groups: int) -> Work:

@@ -266,6 +266,16 @@ def test_a_round_is_not_opened_while_one_is_unfinished(tmp_path: Path) -> None:
     run(go())
 
 
+def test_eval_prompts_takes_the_first_prompts_of_the_split(tmp_path: Path) -> None:
+    async def go() -> None:
+        svc, store, _ = arithmetic(tmp_path, eval_prompts=5)
+        await finish_round(svc, version=0, right=5)
+        (base,) = store.eval_rounds()
+        assert (base["size"], base["samples"], base["accuracy"]) == (5, 5, 1.0)
+
+    run(go())
+
+
 def test_a_task_without_a_held_out_split_has_no_eval(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
