@@ -290,3 +290,21 @@ def test_a_task_without_a_held_out_split_has_no_eval(
         assert not svc.evals.enabled
 
     run(go())
+
+
+def test_eval_groups_a_heartbeat_does_not_hold_are_issued_again(tmp_path: Path) -> None:
+    async def go() -> None:
+        svc, store, clock = arithmetic(tmp_path)
+        w = await ask(svc, 8, version=0)  # the Work reply is lost on its way
+        held = [g["group_id"] for g in w.groups if not g.get("eval")]
+        clock.advance(svc.config.not_held_grace_s + 1)
+        beat = Heartbeat("a", "s1", weight_version=0, held=held, reports_held=True)
+        assert isinstance(await svc.heartbeat(beat), Ok)
+        assert store.counters()["eval.requeued.not_held"] == 4
+        assert store.counters().get("requeued.not_held", 0) == 0  # the training ones are held
+        again = await ask(svc, 8, version=0)
+        assert [g["group_id"] for g in again.groups if g.get("eval")][:4] == [
+            f"e0.{i}.1" for i in range(4)
+        ]
+
+    run(go())
