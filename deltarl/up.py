@@ -9,7 +9,9 @@ with a summary. With ``--json``, progress goes to stderr and stdout carries exac
 object:
 
     {"steps", "engine", "versions_applied", "reward_first", "reward_last", "refit_median_s",
-     "refit_bit_exact", "samples_trained", "duplicate_samples", "max_policy_lag"}
+     "refit_bit_exact", "samples_trained", "duplicate_samples", "max_policy_lag",
+     "model", "task", "eval_accuracy_first", "eval_accuracy_last", "wire_bytes_median",
+     "changed_ratio_median", "reward_p99_s"}
 
 Where the figures come from (each daemon's ``status``, and the scheduler's run history):
 - reward_first / reward_last: mean reward of the first / last three steps (scheduler history);
@@ -19,7 +21,12 @@ Where the figures come from (each daemon's ``status``, and the scheduler's run h
 - refit_bit_exact: every engine load's digest equalled the manifest's (checked inside the
   rollout daemon against what the apply agent verified), and there was at least one;
 - samples_trained, max_policy_lag: summed / maximal over the scheduler's per-step history;
-- duplicate_samples: samples of a prompt that the trainer reported training in two steps.
+- duplicate_samples: samples of a prompt that the trainer reported training in two steps;
+- model, task: the policy (``--model``: tiny, smollm2-135m) and the task it learns;
+- eval_accuracy_first / _last: greedy accuracy on the task's held-out split before the first
+  step and at the last round (``eval_curve`` has every round); null without a split;
+- wire_bytes_median, changed_ratio_median: over the delta versions the engine loaded;
+- reward_p99_s: the worst step's P99 reward latency (scheduler history).
 ``counters`` (every drop, requeue and lag action with its reason) is added to the object.
 """
 
@@ -107,6 +114,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "on_lag_exceeded": args.on_lag_exceeded,
             "seed": args.seed,
             "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens},
+            **run.profile.scheduler,
         },
         "trainer": {
             "control": run.endpoint("trainer"),

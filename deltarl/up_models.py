@@ -47,6 +47,8 @@ class Profile:
     """``[daemons.rollout] engine``: knobs of VllmEngineConfig."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """Further ``[daemons.trainer]`` keys."""
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    """Further ``[daemons.scheduler]`` keys (the held-out evaluation's)."""
     summary_name: str = ""
 
     def engine(self) -> dict[str, Any]:
@@ -88,6 +90,9 @@ PROFILES = {
         # 4 samples of ~100 tokens per forward/backward: the fp32 activations of a 135M
         # model stay within a few GB. pad: SmolLM2's <|im_end|>/eos, masked out anyway.
         trainer={"micro_batch": 4, "pad_token_id": 2},
+        # A greedy round on 32 held-out problems before training and every 4 steps: about
+        # 500 generated tokens, seconds on this CPU, beside the training work.
+        scheduler={"eval_every": 4, "eval_prompts": 32},
         summary_name="SmolLM2-135M-Instruct",
     ),
 }

@@ -114,6 +114,12 @@ def summarise(run: Run) -> dict[str, Any]:
         for r in export.get("recent") or []
         if r.get("outcome") == "active" and r["kind"] == "delta"
     ]
+    # Held-out rounds (greedy, the task's eval split), in step order; step 0 is the baseline
+    # measured before the first optimizer step.
+    rounds = sorted(
+        (e for e in history.evals if e.get("finished") and e.get("accuracy") is not None),
+        key=lambda e: int(e["step"]),
+    )
     return {
         "model": run.profile.name,
         "task": run.task,
@@ -139,6 +145,19 @@ def summarise(run: Run) -> dict[str, Any]:
             (float(r["reward_p99_s"]) for r in rows if r.get("reward_p99_s") is not None),
             default=float("nan"),
         ),
+        "eval_accuracy_first": float(rounds[0]["accuracy"]) if rounds else None,
+        "eval_accuracy_last": float(rounds[-1]["accuracy"]) if len(rounds) > 1 else None,
+        "eval_curve": [
+            {
+                "step": int(e["step"]),
+                "accuracy": float(e["accuracy"]),
+                "samples": int(e["samples"]),
+                "version_min": e.get("version_min"),
+                "version_max": e.get("version_max"),
+                "partial": bool(e.get("partial")),
+            }
+            for e in rounds
+        ],
         "counters": counters,
     }
 
@@ -158,6 +177,14 @@ def _not_trained(counters: dict[str, Any]) -> str:
     if not shown:
         return "nothing dropped or requeued"
     return ", ".join(f"{k} {v}" for k, v in sorted(shown.items()))
+
+
+def _eval_line(s: dict[str, Any]) -> str:
+    curve = s.get("eval_curve") or []
+    if not curve:
+        return "none (the task has no held-out split, or no round finished)"
+    points = ", ".join(f"step {e['step']}: {e['accuracy']:.3f}" for e in curve)
+    return f"greedy accuracy {points}"
 
 
 def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
@@ -181,6 +208,7 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         "sample's oldest token version)",
         f"  weight refits     {len(versions)} versions loaded into the engine ({shown})",
         f"  refit time        median {s['refit_median_s']:.3f} s, export pick-up to engine",
+        f"  held-out eval     {_eval_line(s)}",
         f"  deltas            median {s['wire_bytes_median'] / 1e6:.3f} MB on the wire, "
         f"{s['changed_ratio_median']:.4%} of the weights changed per version",
         f"  bit-exact         {exact}",

@@ -81,6 +81,9 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert 0 < result["changed_ratio_median"] < 1
     assert 0 < result["wire_bytes_median"] < 2 * 1_200_000
     assert 0 < result["reward_p99_s"] < 10  # in-process rule scoring: milliseconds
+    # the default task has no held-out split: no eval, said as null
+    assert result["eval_accuracy_first"] is None
+    assert result["eval_accuracy_last"] is None
     assert result["refit_bit_exact"] is True
     versions = result["versions_applied"]
     assert versions == sorted(versions)

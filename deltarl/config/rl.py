@@ -36,7 +36,14 @@ class RolloutConfig(DaemonTable):
     store_wait_s: float = 600.0
     """How long to wait for the apply agent's store to hold a first version."""
     engine: dict[str, Any] = field(default_factory=dict)
-    """Knobs of ``VllmEngineConfig`` (max_model_len, kv_cache_gb, seed, ...)."""
+    """Knobs of ``VllmEngineConfig`` (max_model_len, kv_cache_bytes, dtype, seed, ...). On CPU
+    the engine adds what vLLM-CPU needs for seeded requests (``cpu_engine_args``: no chunked
+    prefill); ``dtype = "float32"`` is the fast choice on a CPU without AVX-512 bf16."""
+    chat: Literal["auto", True, False] = "auto"
+    """Render each task prompt as a one-message user turn with the model's chat template:
+    "auto" when its tokenizer has one (the embedded tiny model has none: the plain text),
+    true (an error without a template), false (the plain text). The sample's
+    ``prompt_token_ids`` are the rendered tokens, what the trainer trains on."""
     scheduler_samples: str | None = None
     """The scheduler's samples endpoint, where finished groups are put before their submit;
     None: derived from ``scheduler`` as the scheduler derives it (``samples_endpoint``)."""
@@ -44,6 +51,8 @@ class RolloutConfig(DaemonTable):
     def __post_init__(self) -> None:
         super().__post_init__()
         positive(self, "max_running_groups", "heartbeat_s", "idle_s", "store_wait_s")
+        if self.chat not in (True, False, "auto"):
+            raise ValueError(f'chat must be true, false or "auto", got {self.chat!r}')
         endpoints(self, "scheduler_samples")
         if self.scheduler_samples is None:
             samples_endpoint(self.scheduler)  # derivable now, not a surprise at the first use
@@ -213,6 +222,13 @@ class SchedulerConfig(DaemonTable):
     """How often heartbeats and leases are checked."""
     wait_s: float = 0.2
     """The back-off suggested in an empty Work or Batch."""
+    eval_every: int = 0
+    """Evaluate the policy on the task's held-out split every this many steps, and once before
+    training (step 0), greedily, one sample per prompt (deltarl/scheduler/evaluation.py); the
+    accuracy goes to the run history. 0: never; a task without a held-out split: never."""
+    eval_prompts: int = 0
+    """Evaluate on the first this many prompts of the held-out split; 0: all of it
+    (``task.eval_size``). A CPU engine decodes a 64-prompt round in tens of seconds."""
     keep_steps: int = 1000
     """Steps whose records the store keeps: older checkpointed steps lose their ``steps`` row
     (the run history) and their trained prompt rows (deltarl/scheduler/retention.py). Steps
@@ -228,7 +244,7 @@ class SchedulerConfig(DaemonTable):
         if self.samples is None:
             samples_endpoint(self.control)  # derivable now, not a surprise at bind time
         non_negative(self, "max_policy_lag_steps", "reward_retries", "max_reward_failures")
-        non_negative(self, "dataset_size", "not_held_grace_s")
+        non_negative(self, "dataset_size", "not_held_grace_s", "eval_every", "eval_prompts")
         if self.pool_capacity < self.groups_per_step:
             raise ValueError(
                 f"pool_capacity ({self.pool_capacity}) must hold at least groups_per_step "

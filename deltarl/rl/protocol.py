@@ -153,7 +153,10 @@ class GetHistory(Command):
 @dataclass(frozen=True)
 class Work(Reply):
     """Groups to generate. Each: ``group_id``, ``prompt_id``, ``prompt`` (text), ``n``
-    (samples), ``sampling`` (temperature, top_p, max_tokens, seed). Empty ``groups`` with
+    (samples), ``sampling`` (temperature, top_p, max_tokens, seed), and ``eval``: true for a
+    held-out evaluation group (``deltarl.scheduler.evaluation``: one sample, decoded greedily,
+    submitted like any group and never trained on; its ``prompt_id`` is the index in the eval
+    split, its id ``e<step>.<index>.<attempt>``). Empty ``groups`` with
     ``wait_s``: nothing now (pool full, throttled, or dataset exhausted: ``reason`` says).
     ``sync_to``: generate nothing until the engine holds this weight version or newer."""
 
@@ -180,10 +183,18 @@ class Batch(Reply):
 
 @dataclass(frozen=True)
 class History(Reply):
+    """The run metadata. Each of ``steps`` (oldest first) carries the step's batch figures and,
+    from held-out evaluation, ``eval_accuracy``, ``eval_reward_mean``, ``eval_samples``,
+    ``eval_version_min``, ``eval_version_max``, ``eval_partial`` (None and 0 where no round of
+    that step finished). ``evals``: every eval round, the step-0 baseline included (step,
+    target_version, size, samples, failed, accuracy, reward_mean, version_min, version_max,
+    finished, partial, started_at, finished_at)."""
+
     TAG: ClassVar[str] = "rl.history"
     config: dict[str, Any]
     steps: list[Any]
     counters: dict[str, Any] = field(default_factory=dict)
+    evals: list[Any] = field(default_factory=list)
 
 
 RL_COMMANDS = decode_table(

@@ -138,7 +138,9 @@ class RolloutService(DaemonCore):
 
         model_dir = self.config.model_dir or ensure_default_model()
         try:
-            engine_config = VllmEngineConfig(model=Path(model_dir), **self.config.engine)
+            engine_config = VllmEngineConfig(
+                model=Path(model_dir), **{"chat": self.config.chat, **self.config.engine}
+            )
         except TypeError as e:
             raise ConfigError(f"[daemons.{self.config.instance}].engine: {e}") from None
         engine = VllmEngine(engine_config)
@@ -190,13 +192,13 @@ class RolloutService(DaemonCore):
             group_id = str(g["group_id"])
             if group_id in self.in_flight:
                 continue  # the scheduler re-issued a group we hold (our lease outlived it)
+            sampling = dict(g.get("sampling") or {})
+            if g.get("eval"):
+                # A held-out evaluation: the policy's greedy answer, whatever else was asked.
+                sampling["temperature"] = 0.0
             try:
                 await self._call(
-                    self.engine.add_group,
-                    group_id,
-                    str(g["prompt"]),
-                    int(g["n"]),
-                    dict(g.get("sampling") or {}),
+                    self.engine.add_group, group_id, str(g["prompt"]), int(g["n"]), sampling
                 )
             except Exception:
                 # Not added: the scheduler sees the group missing from our heartbeats (or its

@@ -14,6 +14,7 @@ from statistics import fmean, pstdev
 import orjson
 
 from deltarl.scheduler.blob_table import BLOB_SCHEMA
+from deltarl.scheduler.eval_store import EVAL_SCHEMA
 from deltarl.scheduler.reward_stats import STEP_REWARDS_SCHEMA
 
 SCHEMA_VERSION = 2
@@ -89,6 +90,8 @@ SCHEMA = (
     *BLOB_SCHEMA,
     # Reward latency and errors per step (reward_stats). New in an older file: created on open.
     STEP_REWARDS_SCHEMA,
+    # Held-out evaluation (deltarl.scheduler.eval_store); created on open in an older file.
+    *EVAL_SCHEMA,
 )
 
 

@@ -86,6 +86,7 @@ from deltarl.rl.protocol import (
 from deltarl.rl.samples import Group as SampleGroup
 from deltarl.rl.samples import SampleError, decode_group, sample_count
 from deltarl.rl.task import Task, make_task, mix64
+from deltarl.scheduler.evaluation import Evaluation, is_eval_group
 from deltarl.scheduler.policy import (
     Candidates,
     DispatchPolicy,
@@ -148,6 +149,8 @@ class SchedulerService(DaemonCore):
         version = store.meta("trainer_version")
         self.trainer_version: int | None = None if version is None else int(version)
         store.record_run(config.as_record())
+        self.evals = Evaluation(config, store, self.task, self.scorer)  # held-out rounds
+        self.evals.start(self.trainer_version)
         # Instances that held work when the scheduler stopped get one heartbeat timeout from
         # now to be heard from, as if they had just been seen: they could not reach us.
         now, wall = monotonic(), store.clock()
@@ -190,6 +193,7 @@ class SchedulerService(DaemonCore):
         known = self.instances.get(instance)
         if known is None or known.session != session:
             n = self.store.requeue_instance(instance, "session_changed", keep_session=session)
+            n += self.evals.requeue_instance(instance, "session_changed", keep_session=session)
             if n:
                 logger.info("instance %s: new session %s, %d groups requeued", instance, session, n)
             known = Instance(instance, session, 0.0, 0.0)
@@ -207,9 +211,11 @@ class SchedulerService(DaemonCore):
             if now - inst.last_seen > self.config.heartbeat_timeout_s:
                 del self.instances[name]
                 n = self.store.requeue_instance(name, "heartbeat_missed")
+                n += self.evals.requeue_instance(name, "heartbeat_missed")
                 logger.warning(
                     "instance %s missed its heartbeats: removed, %d groups requeued", name, n
                 )
+        self.evals.requeue_expired()
         expired = self.store.requeue_expired()
         if expired:
             logger.warning("%d leases expired: prompts %s requeued", len(expired), expired[:8])
@@ -253,6 +259,7 @@ class SchedulerService(DaemonCore):
         """
         keep = {h for h in held if isinstance(h, str)} | set(self._scoring)
         before = self.store.clock() - self.config.not_held_grace_s
+        self.evals.requeue_not_held(instance, session, keep, before)
         lost = self.store.requeue_not_held(instance, session, keep, before)
         if lost:
             logger.warning(
@@ -290,11 +297,24 @@ class SchedulerService(DaemonCore):
         return None
 
     async def get_work(self, cmd: GetWork) -> Reply:
-        cfg = self.config
         inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
         self.expire()
         if self.paused:
             return self._wait("paused")
+        # Eval groups first (a share of the slots: deltarl.scheduler.evaluation), training
+        # groups in the rest, and eval again in what training leaves; the eval ones pass no
+        # pool or lag gate, as nothing trains on them.
+        version, share = inst.weight_version, self.evals.share(cmd.max_groups)
+        evals = self.evals.work(cmd.instance, cmd.session, version, share)
+        reply = self._training_work(cmd, inst, cmd.max_groups - len(evals))
+        if not evals:
+            return reply
+        spare = cmd.max_groups - len(evals) - len(reply.groups)  # what training left unused
+        evals += self.evals.work(cmd.instance, cmd.session, version, spare)
+        return Work([*evals, *reply.groups], reason=reply.reason, sync_to=reply.sync_to)
+
+    def _training_work(self, cmd: GetWork, inst: Instance, max_groups: int) -> Work:
+        cfg = self.config
         gate = self._lag_gate(inst.weight_version)
         if gate is not None:
             return gate
@@ -302,7 +322,7 @@ class SchedulerService(DaemonCore):
         room = cfg.pool_capacity - counts["pooled"] - counts["issued"]
         if room <= 0:
             return self._wait(f"pool full ({cfg.pool_capacity} groups pooled or issued)")
-        want = min(room, max(cmd.max_groups, 0))
+        want = min(room, max(max_groups, 0))
         cursor = self.store.cursor
         end = cursor + want if not cfg.dataset_size else min(cursor + want, cfg.dataset_size)
         candidates = Candidates(self.store.queued(want), range(cursor, end))
@@ -323,9 +343,7 @@ class SchedulerService(DaemonCore):
             )
             for i in self.instances.values()
         ]
-        chosen = self.policy.choose(
-            WorkRequest(cmd.instance, cmd.max_groups, room), loads, candidates
-        )
+        chosen = self.policy.choose(WorkRequest(cmd.instance, max_groups, room), loads, candidates)
         if not chosen:
             return self._wait(f"the {self.policy.name} policy gives {cmd.instance} nothing now")
         groups = self.store.issue(
@@ -355,6 +373,8 @@ class SchedulerService(DaemonCore):
 
     async def submit_group(self, cmd: SubmitGroup) -> Reply:
         self._see(cmd.instance, cmd.session)
+        if is_eval_group(cmd.group_id):  # scored and recorded apart, never pooled
+            return await self.evals.submit(cmd)
         running = self._scoring.get(cmd.group_id)
         if running is not None:  # the same group again while it is being scored
             self.store.bump("submit.duplicate")
@@ -561,6 +581,7 @@ class SchedulerService(DaemonCore):
             return Error("unknown_step", f"step {cmd.step} was never shipped")
         if self.trainer_version is None or cmd.version > self.trainer_version:
             self.trainer_version = cmd.version
+        self.evals.step_done(cmd.step, cmd.version)
         return Ok()
 
     async def checkpointed(self, cmd: Checkpointed) -> Reply:
@@ -568,7 +589,10 @@ class SchedulerService(DaemonCore):
         return Ok(f"{n} groups trained for good")
 
     async def history(self, cmd: GetHistory) -> Reply:
-        return History(self.store.run_config(), self.store.history(cmd.last), self.counters())
+        steps = self.evals.annotate(self.store.history(cmd.last))
+        return History(
+            self.store.run_config(), steps, self.counters(), evals=self.store.eval_rounds()
+        )
 
     # -- status ---------------------------------------------------------------------------
 
@@ -615,6 +639,7 @@ class SchedulerService(DaemonCore):
             },
             "counters": self.counters(),
             "reward": {**self.scorer.status(), **self.reward_window.figures()},
+            "eval": self.evals.status(),
             "paused": self.paused,
         }
 
@@ -625,3 +650,4 @@ class SchedulerService(DaemonCore):
             with contextlib.suppress(Exception):
                 await asyncio.wait(pending, timeout=self.config.reward_timeout_s)
         await self.scorer.close()
+        await self.evals.close()

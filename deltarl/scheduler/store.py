@@ -41,6 +41,7 @@ from typing import Any
 import orjson
 
 from deltarl.scheduler import reward_stats
+from deltarl.scheduler.eval_store import EvalTables
 from deltarl.scheduler.retention import StepRetention
 from deltarl.scheduler.rows import (
     COLUMNS,
@@ -58,7 +59,7 @@ from deltarl.scheduler.rows import (
 logger = logging.getLogger(__name__)
 
 
-class SchedulerStore(StepRetention):
+class SchedulerStore(EvalTables, StepRetention):
     """The scheduler's tables in one sqlite file; one writer process, any number of readers.
 
     Every method is one snapshot or one transaction, safe from several threads (one connection
