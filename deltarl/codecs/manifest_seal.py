@@ -40,10 +40,6 @@ def seal(body: bytes, key: bytes) -> bytes:
     return body + b"\n" + TAG + _mac(body, key)
 
 
-def is_sealed(data: bytes) -> bool:
-    return data.rfind(b"\n" + TAG) != -1
-
-
 def open_sealed(data: bytes, key: bytes | None) -> bytes:
     """The manifest JSON inside ``data``, if its seal holds under ``key``; else SealError.
 

@@ -68,8 +68,8 @@ def test_only_versions_sealed_with_the_cluster_key_are_activated(tmp_path: Path)
         core, store = _core(tmp_path, layout, KEY)
         chunks, manifest = _encode(layout, [forged], 0, None)
         # a self-consistent full version, unsealed / sealed with another key: refused
-        await _send(core, 5, *_renumbered(chunks, manifest, 5))
-        await _send(core, 6, *_renumbered(chunks, manifest, 6, key=secrets.token_bytes(32)))
+        await _send(core, 5, *_renumbered(manifest, 5))
+        await _send(core, 6, *_renumbered(manifest, 6, key=secrets.token_bytes(32)))
         assert store.active_version is None
         assert core.seal_failures == 2
         # The forger's version 6 is open (its chunks' xxh3 hold; only the manifest, which never
@@ -104,10 +104,9 @@ def test_only_versions_sealed_with_the_cluster_key_are_activated(tmp_path: Path)
 
 
 def _renumbered(
-    chunks: list[bytes], manifest: RefitManifest, v: int, key: bytes | None = None
+    manifest: RefitManifest, v: int, key: bytes | None = None
 ) -> tuple[list[bytes], bytes]:
     """The forger's version 0, made again as version ``v`` (as a forger would encode it)."""
-    del chunks
     layout = Layout.pack([(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors])
     rng = np.random.default_rng(v)
     weights = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
