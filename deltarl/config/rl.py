@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -135,13 +136,18 @@ LagAction = Literal["throttle", "drop", "sync"]
 class Sampling:
     """What every group is generated with (``Work.groups[i]["sampling"]``, plus a seed).
 
-    ``temperature`` and ``top_p`` must be 1.0: anything else is refused (a configuration
-    error, so the daemon exits 78). The GRPO importance ratio divides the trainer's
-    log-probability of each token by the engine's, and the two must be of the same
-    distribution. The trainer computes the plain ``log_softmax`` of the logits
-    (``deltarl.trainer.grpo``), while vLLM records "processed" log-probabilities, after
-    temperature scaling and top-p truncation; with any other value the ratio would be off
-    by a per-token factor nobody sees, and training would silently go wrong.
+    ``temperature``: any positive finite value (a lower one draws closer to the greedy answer,
+    so more GRPO groups hold both right and wrong answers). The GRPO importance ratio divides
+    the trainer's log-probability of each token by the engine's, and the two must be of the
+    same distribution: vLLM records "processed" log-probabilities, after temperature scaling,
+    and the trainer computes ``log_softmax(logits / temperature)`` with the temperature each
+    ``Batch`` carries (the scheduler's, from this table).
+
+    ``top_p`` must be 1.0: anything else is refused (a configuration error, so the daemon
+    exits 78). Top-p truncation renormalises over a set the trainer does not reconstruct, so
+    the ratio would be off by a per-token factor nobody sees, and training would silently go
+    wrong. Temperature 0 (greedy) is refused for the same reason: its log-probabilities are
+    not those of any distribution the trainer can compute.
     """
 
     temperature: float = 1.0
@@ -149,15 +155,17 @@ class Sampling:
     max_tokens: int = 16
 
     def __post_init__(self) -> None:
-        for key in ("temperature", "top_p"):
-            value = getattr(self, key)
-            if value != 1.0:
-                raise ValueError(
-                    f"sampling: {key} must be 1.0, got {value}: the trainer computes plain "
-                    "log_softmax(logits) while the engine records log-probabilities after "
-                    "temperature and top-p, so any other value silently breaks the GRPO "
-                    "importance ratio"
-                )
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"sampling: temperature must be positive and finite, got {self.temperature}: "
+                "greedy decoding has no log-probabilities for the GRPO importance ratio"
+            )
+        if self.top_p != 1.0:
+            raise ValueError(
+                f"sampling: top_p must be 1.0, got {self.top_p}: the engine records "
+                "log-probabilities after top-p truncation, which the trainer does not "
+                "reconstruct, so any other value silently breaks the GRPO importance ratio"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"sampling: max_tokens >= 1 is required, got {self.max_tokens}")
 
@@ -213,7 +221,7 @@ class SchedulerConfig(DaemonTable):
     0: never. A failure: its reward could not be had (``reward_*``), or its samples were
     malformed (``bad_samples``), so a prompt that can never be trained cannot stall the run."""
     sampling: Sampling = field(default_factory=Sampling)
-    """``[daemons.scheduler.sampling]``: temperature, top_p (both 1.0 only), max_tokens."""
+    """``[daemons.scheduler.sampling]``: temperature (positive), top_p (1.0 only), max_tokens."""
     dataset_size: int = 0
     """Prompts in the dataset; 0: infinite."""
     seed: int = 0

@@ -172,13 +172,15 @@ class Batch(Reply):
     """The groups of step ``step`` (each: ``group_id``, ``prompt_id``, ``prompt``,
     ``samples_ref``: the digest of its samples on the scheduler's samples endpoint,
     ``rewards``: one per sample, and ``lag``). Empty with ``wait_s``: not enough pooled groups
-    yet."""
+    yet. ``temperature``: what the groups were sampled at (the scheduler's sampling table);
+    the trainer's log-probabilities must be of that distribution for the importance ratio."""
 
     TAG: ClassVar[str] = "rl.batch"
     step: int
     groups: list[Any]
     wait_s: float = 0.0
     reason: str = ""
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -564,7 +564,11 @@ class SchedulerService(DaemonCore):
                 "checkpointed",
                 f"step {cmd.step} is in a checkpoint already; its samples are not kept",
             )
-        return Batch(cmd.step, [self._batch_item(g) for g in result.groups])
+        return Batch(
+            cmd.step,
+            [self._batch_item(g) for g in result.groups],
+            temperature=cfg.sampling_params.temperature,
+        )
 
     def _batch_item(self, g: Group) -> dict[str, Any]:
         return {

@@ -174,14 +174,20 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int = 0) -> GRPOBatch:
     )
 
 
-def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """[B, T-1] log-probability of each next token under ``model`` (teacher forcing).
+def token_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """[B, T-1] log-probability of each next token under ``model`` (teacher forcing), in the
+    distribution sampled at ``temperature``: ``log_softmax(logits / temperature)``, what vLLM
+    records as the processed log-probability of a token it drew at that temperature.
 
     ``logit - logsumexp`` rather than ``log_softmax`` then gather: it never materialises a
     second [B, T, vocab] tensor.
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     logits = out.logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = input_ids[:, 1:].unsqueeze(-1)
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -258,6 +264,9 @@ class GRPOConfig:
     """Clip the global gradient norm to this; 0: no clipping (the norm is still measured)."""
     micro_batch: int = 8
     """Samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
+    temperature: float = 1.0
+    """The temperature the batch was sampled at (``Batch.temperature``): the policy and
+    reference log-probabilities are taken at it, as the behaviour ones were."""
 
 
 @dataclass(frozen=True)
@@ -289,11 +298,13 @@ def train_step(
     for micro in batch.micro_batches(config.micro_batch):
         if micro.tokens == 0:
             continue  # nothing to learn from, and a forward pass would cost for nothing
-        logp = token_logprobs(model, micro.input_ids, micro.attention_mask)
+        logp = token_logprobs(model, micro.input_ids, micro.attention_mask, config.temperature)
         ref = None
         if reference is not None:
             with torch.no_grad():
-                ref = token_logprobs(reference, micro.input_ids, micro.attention_mask)
+                ref = token_logprobs(
+                    reference, micro.input_ids, micro.attention_mask, config.temperature
+                )
         loss, sums = grpo_loss(
             logp,
             micro.behaviour_logprobs,

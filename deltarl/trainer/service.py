@@ -38,6 +38,7 @@ import asyncio
 import concurrent.futures
 import copy
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -164,18 +165,25 @@ class TrainerService(DaemonCore):
             logger.info("published version %d (%s)", self.version, what)
 
     def _train_and_publish(
-        self, step: int, items: list[ShippedItem], groups: list[ScoredGroup]
+        self,
+        step: int,
+        items: list[ShippedItem],
+        groups: list[ScoredGroup],
+        temperature: float = 1.0,
     ) -> dict[str, Any]:
         if self.model is None or self.optimizer is None or self.publisher is None:
             raise RuntimeError("the trainer is not set up")
         cfg = self.config
+        if not (math.isfinite(temperature) and temperature > 0):
+            # Training at it would divide the logits by zero or worse: stall, loudly.
+            raise BatchError(f"the batch's temperature {temperature!r} is not positive")
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=cfg.pad_token_id)  # BatchError: nothing changed
         stats = train_step(
             self.model,
             self.optimizer,
             batch,
-            GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch),
+            GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature),
             self.reference,
         )
         t1 = time.perf_counter()
@@ -187,6 +195,7 @@ class TrainerService(DaemonCore):
             # Which groups this step trained (id -> samples): lets the run record prove that no
             # sample was trained in two steps, a replayed step replacing its own row.
             "groups": {g.group.group_id: len(g.group.samples) for g in groups},
+            "temperature": temperature,
             "step_s": t1 - t0,
             "publish_s": t2 - t1,
             "lag_max": max(lags) if lags else None,
@@ -287,7 +296,9 @@ class TrainerService(DaemonCore):
                 items = parse_items(reply.groups)
                 groups = await fetch_groups(items, self.fetch, cfg.request_timeout_s)
                 self.activity = "training"
-                await self._in_thread(self._train_and_publish, step, items, groups)
+                await self._in_thread(
+                    self._train_and_publish, step, items, groups, reply.temperature
+                )
             except (TimeoutError, ConnectionError) as e:
                 self.error = f"samples endpoint: {e}"
                 logger.warning("step %d: samples not fetched: %s", step, e)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from deltarl.config.rl import Sampling
 from deltarl.rl.protocol import (
     Batch,
     Checkpointed,
@@ -325,5 +326,20 @@ def test_work_replies_are_plain_json(tmp_path):
         (g,) = w.groups
         assert set(g) == {"group_id", "prompt_id", "prompt", "n", "sampling"}
         assert set(g["sampling"]) == {"temperature", "top_p", "max_tokens", "seed"}
+
+    run(go())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_batch_carries_the_temperature_its_groups_were_sampled_at(tmp_path, temperature):
+    async def go():
+        svc, _, _ = make_service(tmp_path, sampling=Sampling(temperature, max_tokens=8))
+        w = await work(svc, n=2)
+        assert all(g["sampling"]["temperature"] == temperature for g in w.groups)
+        assert all(isinstance(r, Ok) for r in await submit_all(svc, w))
+        batch = await svc.take_batch(TakeBatch(step=1, groups=2, trainer_version=0))
+        assert isinstance(batch, Batch)
+        assert len(batch.groups) == 2
+        assert batch.temperature == temperature  # the trainer's log-probs are taken at it
 
     run(go())

@@ -207,6 +207,32 @@ def test_loss_is_token_mean_and_micro_batching_does_not_change_the_gradient() ->
         assert torch.allclose(g, grads[0], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.5])
+def test_log_probabilities_are_taken_at_the_batch_temperature(temperature: float) -> None:
+    model = tiny_model(0)
+    groups = [_group("a", _sample([1, 2], [3, 4, 5], 1.0), _sample([1, 2], [6, 7], 0.0))]
+    batch = build_batch(groups)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits[:, :-1].float()
+        want = torch.log_softmax(logits / temperature, -1)
+        want = want.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        got = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature)
+        plain = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    on = batch.loss_mask > 0
+    assert torch.allclose(got[on], want[on], atol=1e-5)
+    assert (got[on] - plain[on]).abs().max() > 1e-3  # the temperature is not ignored
+    # Behaviour log-probs drawn at this temperature are on-policy for a step at it (ratio 1,
+    # nothing clipped, no KL to the behaviour policy), and off-policy for a step at 1.0.
+    batch.behaviour_logprobs.copy_(got * batch.loss_mask)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    cfg = GRPOConfig(temperature=temperature, max_grad_norm=0)
+    at_t = train_step(model, opt, batch, cfg)
+    assert at_t.kl_behaviour == pytest.approx(0.0, abs=1e-6)
+    assert at_t.clip_frac == 0.0
+    at_one = train_step(model, opt, batch, GRPOConfig(max_grad_norm=0))
+    assert at_one.kl_behaviour > 1e-4
+
+
 def test_equal_rewards_move_nothing() -> None:
     model = tiny_model(0)
     before = [p.detach().clone() for p in model.parameters()]
