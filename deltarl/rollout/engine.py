@@ -81,11 +81,28 @@ class VllmEngineConfig:
     chat: Literal["auto", True, False] = "auto"
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further ``vllm.EngineArgs`` fields, passed through unchanged (over ``cpu_engine_args``
-    on CPU)."""
+    on CPU), except ``async_scheduling``, which is always off (``SYNC_ENGINE_ARGS``)."""
 
     def __post_init__(self) -> None:
         if self.chat not in (True, False, "auto"):
             raise ValueError(f'chat must be true, false or "auto", got {self.chat!r}')
+        for key, value in SYNC_ENGINE_ARGS.items():
+            if key in self.engine_args and self.engine_args[key] != value:
+                raise ValueError(
+                    f"engine_args: {key} = {self.engine_args[key]!r} is refused: with it, a "
+                    "refit between two engine steps can land while a batch scheduled before "
+                    "it still executes, and that batch's tokens would be tagged with the new "
+                    "version"
+                )
+
+
+# vLLM 0.32 turns async scheduling on by default for the single-process executor on GPU (the
+# CPU platform forces it off): the scheduler then plans step N+1 while step N executes, so
+# `step()` returns with a batch still in flight. A refit between two `step()` calls must
+# find no batch running, or tokens computed with the old weights would come back after it and
+# be tagged with the new version. Invariant: every token's version is the weights it was
+# computed with.
+SYNC_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": False}
 
 
 CPU_MIN_BATCHED_TOKENS = 8192
@@ -226,7 +243,7 @@ class VllmEngine:
             distributed_executor_backend="uni",
             worker_extension_cls=QUALNAME,
             logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
-            **{**platform_args, **cfg.engine_args},
+            **{**platform_args, **cfg.engine_args, **SYNC_ENGINE_ARGS},
         )
         with _llvmlite_hidden():
             self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)

@@ -141,7 +141,7 @@ class RolloutService(DaemonCore):
             engine_config = VllmEngineConfig(
                 model=Path(model_dir), **{"chat": self.config.chat, **self.config.engine}
             )
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ConfigError(f"[daemons.{self.config.instance}].engine: {e}") from None
         engine = VllmEngine(engine_config)
         engine.start()
