@@ -237,6 +237,10 @@ class SchedulerConfig(DaemonTable):
     eval_prompts: int = 0
     """Evaluate on the first this many prompts of the held-out split; 0: all of it
     (``task.eval_size``). A CPU engine decodes a 64-prompt round in tens of seconds."""
+    eval_share: float = 0.5
+    """The share of the groups an instance asks for that an open eval round takes first
+    (0 < share <= 1; training work fills the rest). 1: the round goes out whole at once and
+    is measured on one version, at the cost of a short pause in training generation."""
     keep_steps: int = 1000
     """Steps whose records the store keeps: older checkpointed steps lose their ``steps`` row
     (the run history) and their trained prompt rows (deltarl/scheduler/retention.py). Steps
@@ -253,6 +257,8 @@ class SchedulerConfig(DaemonTable):
             samples_endpoint(self.control)  # derivable now, not a surprise at bind time
         non_negative(self, "max_policy_lag_steps", "reward_retries", "max_reward_failures")
         non_negative(self, "dataset_size", "not_held_grace_s", "eval_every", "eval_prompts")
+        if not 0 < self.eval_share <= 1:
+            raise ValueError(f"eval_share must be in (0, 1], got {self.eval_share}")
         if self.pool_capacity < self.groups_per_step:
             raise ValueError(
                 f"pool_capacity ({self.pool_capacity}) must hold at least groups_per_step "

@@ -12,15 +12,17 @@ training groups, marked ``"eval": true`` with ids ``e<step>.<i>.<attempt>``
 - the scheduler routes their ``SubmitGroup`` here: scored with the task's reward and recorded
   in the round, never pooled, shipped, trained, or counted in any training counter (their own
   are ``eval.*``), and their samples' blob is released at once;
-- training is never held up by more than a share of the engines' slots: an instance gets eval
-  groups only once it holds weights at or past the round's version, at most half of the
-  groups it asks for (one sample each, against ``group_size`` for a training group) plus the
-  slots training work leaves unused (pool full, throttled), and eval groups take no pool
-  capacity and do not enter the lag gate.
+- training is held up by at most a share of the engines' slots: an instance gets eval groups
+  only once it holds weights at or past the round's version, at most ``eval_share`` of the
+  groups it asks for (half by default; one sample each, against ``group_size`` for a
+  training group) plus the slots training work leaves unused (pool full, throttled), and eval
+  groups take no pool capacity and do not enter the lag gate. ``eval_share = 1`` gives a
+  round every slot until it is issued: it then finishes in about one decoding batch, on one
+  version, where a half share spreads it over the next versions on a slow engine.
 
-Greedy is allowed here and nowhere in training: the training ``Sampling`` still refuses any
-temperature but 1.0, because the GRPO ratio needs the engine's log-probabilities of the
-sampled distribution; nothing trains on an eval sample, so its log-probabilities are unused.
+Greedy is allowed here and nowhere in training: the training ``Sampling`` refuses it, because
+the GRPO ratio needs the engine's log-probabilities of the sampled distribution; nothing
+trains on an eval sample, so its log-probabilities are unused.
 
 A round measures the weights its samples were generated with: ``version_min`` and
 ``version_max`` of their tokens (equal unless an engine refitted during the round). A new
@@ -121,12 +123,11 @@ class Evaluation:
 
     # -- work -----------------------------------------------------------------------------
 
-    @staticmethod
-    def share(max_groups: int) -> int:
+    def share(self, max_groups: int) -> int:
         """The eval groups an instance asking for ``max_groups`` gets before training work:
-        half of them (at least one). Eval groups are one sample each, so this is far less
-        than half of the engine's sequences."""
-        return max(1, max_groups // 2)
+        ``eval_share`` of them (at least one). Eval groups are one sample each, so half of
+        the groups is far less than half of the engine's sequences."""
+        return min(max_groups, max(1, int(max_groups * self.config.eval_share)))
 
     def work(
         self, instance: str, session: str, version: int | None, limit: int

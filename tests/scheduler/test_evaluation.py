@@ -142,6 +142,29 @@ def test_the_baseline_round_is_greedy_and_takes_half_the_slots_beside_training(
     run(go())
 
 
+def test_an_eval_share_of_one_sends_the_round_out_before_any_training_group(
+    tmp_path: Path,
+) -> None:
+    async def go() -> None:
+        svc, store, _ = arithmetic(tmp_path, eval_share=1.0, eval_prompts=12)
+        first = await ask(svc, 8, version=0)
+        assert [g.get("eval") for g in first.groups] == [True] * 8
+        second = await ask(svc, 8, version=0)
+        evals = [g for g in second.groups if g.get("eval")]
+        # the round's last 4, then training fills what is left
+        assert [g["prompt_id"] for g in evals] == [8, 9, 10, 11]
+        assert len(second.groups) == 8
+        assert store.counters()["issued_groups"] == 4
+
+    run(go())
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_an_eval_share_outside_zero_to_one_is_refused(tmp_path: Path, share: float) -> None:
+    with pytest.raises(ValueError, match="eval_share must be in"):
+        arithmetic(tmp_path, eval_share=share)
+
+
 def test_a_round_at_every_eval_every_steps_measured_on_the_new_weights(tmp_path: Path) -> None:
     async def go() -> None:
         svc, store, _ = arithmetic(tmp_path, eval_every=2, groups_per_step=2, group_size=2)
