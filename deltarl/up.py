@@ -27,7 +27,16 @@ Where the figures come from (each daemon's ``status``, and the scheduler's run h
   step and at the last round (``eval_curve`` has every round); null without a split;
 - wire_bytes_median, changed_ratio_median: over the delta versions the engine loaded;
 - reward_p99_s: the worst step's P99 reward latency (scheduler history).
-``counters`` (every drop, requeue and lag action with its reason) is added to the object.
+Added to the object: ``counters`` (every drop, requeue and lag action with its reason),
+``eval_curve`` (every held-out round), ``reward_curve`` (the mean reward of every step),
+``step_time`` (where a step's time goes: wall, train, publish, wait for samples, a group's
+generation and scoring, refit; medians), ``rollouts`` and ``engines`` (per rollout daemon:
+versions applied, refit median, bit-exact, groups and tokens generated).
+
+``--rollouts N`` runs N rollout daemons (``rollout``, ``rollout-2`` ...), each its own vLLM
+engine and scheduler instance, all reading the one apply agent's weight store. The keys about
+"the engine" above (versions_applied, refit_median_s) are the first one's; refit_bit_exact
+holds for every engine's every load.
 """
 
 from __future__ import annotations
@@ -64,12 +73,23 @@ class Run(DaemonGroup):
     """One ``deltarl up``: its directory, configuration and daemon processes."""
 
     def __init__(
-        self, directory: Path, shm: Path, steps: int, profile: Profile = PROFILES["tiny"]
+        self,
+        directory: Path,
+        shm: Path,
+        steps: int,
+        profile: Profile = PROFILES["tiny"],
+        rollouts: int = 1,
     ) -> None:
+        if rollouts < 1:
+            raise ValueError(f"rollouts must be at least 1, got {rollouts}")
+        # "rollout", then "rollout-2" ...: each its own daemon, vLLM engine and scheduler
+        # instance, all reading the one apply agent's weight store.
+        self.rollouts = ["rollout", *(f"rollout-{i}" for i in range(2, rollouts + 1))]
+        self.order = [d for d in ORDER if d != "rollout"] + self.rollouts
         # The sockets live in the short shared-memory directory, not the run directory: an
         # ipc:// path must fit sockaddr_un (107 bytes), which a run directory under a long
         # home may not.
-        endpoints = {d: f"ipc://{shm}/{d}.sock" for d in ORDER}
+        endpoints = {d: f"ipc://{shm}/{d}.sock" for d in self.order}
         super().__init__(directory, directory / "deltarl.toml", endpoints)
         self.shm = shm
         self.steps = steps
@@ -82,7 +102,8 @@ class Run(DaemonGroup):
     def start(self, daemon: str) -> None:  # type: ignore[override]
         # A session of its own: a Ctrl-C at the terminal reaches `deltarl up`, which stops the
         # daemons in order, instead of killing them all at once mid-write.
-        super().start(daemon, own_session=True)
+        command = "rollout" if daemon in self.rollouts else daemon
+        super().start(daemon, daemon=command, own_session=True)
 
     def status(self, daemon: str) -> dict[str, Any] | None:  # type: ignore[override]
         reply = super().status(daemon)
@@ -96,7 +117,7 @@ class Run(DaemonGroup):
         """SIGTERM the rollout daemon and wait for it (it stops asking for work and hands
         back what it holds), then the others together; a daemon still running after
         ``timeout`` is killed (its exit code is then None)."""
-        return super().stop(waves=[["rollout"]], timeout_s=timeout)
+        return super().stop(waves=[self.rollouts], timeout_s=timeout)
 
 
 def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
@@ -113,8 +134,14 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_policy_lag_steps": args.max_policy_lag,
             "on_lag_exceeded": args.on_lag_exceeded,
             "seed": args.seed,
-            "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens},
+            "sampling": {
+                "temperature": args.temperature,
+                "top_p": 1.0,
+                "max_tokens": args.max_tokens,
+            },
             **run.profile.scheduler,
+            **({"eval_prompts": args.eval_prompts} if args.eval_prompts is not None else {}),
+            **({"eval_every": args.eval_every} if args.eval_every is not None else {}),
         },
         "trainer": {
             "control": run.endpoint("trainer"),
@@ -128,7 +155,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_steps": run.steps,
             "lr": args.lr,
             "seed": args.seed,
-            **run.profile.trainer,
+            **run.profile.trainer_table(),
         },
         "export": {
             "control": run.endpoint("export"),
@@ -149,16 +176,20 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "layout_store": "published",
             "link": link,
         },
-        "rollout": {
-            "control": run.endpoint("rollout"),
+    }
+    for name in run.rollouts:
+        # Every engine reads the one apply agent's store (a lease each while it loads a
+        # version); the scheduler tells them apart by instance name.
+        daemons[name] = {
+            "control": run.endpoint(name),
+            "instance": name,
             "scheduler": run.endpoint("scheduler"),
             "rollout_store": "rollout",
             "store_root": shm,
             "model_dir": str(model_dir),
             "max_running_groups": 2 * args.groups_per_step,
             "engine": run.profile.engine(),
-        },
-    }
+        }
     write_toml(run.config, {"daemons": daemons})
 
 
@@ -192,6 +223,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--on-lag-exceeded", choices=("throttle", "drop", "sync"), default="throttle")
     ap.add_argument("--lr", type=float, help="the trainer's AdamW lr (default: the model's)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        help="the sampling temperature of training groups (default: the model's)",
+    )
+    ap.add_argument(
+        "--eval-prompts", type=int, metavar="N", help="held-out problems per eval round"
+    )
+    ap.add_argument("--eval-every", type=int, metavar="K", help="an eval round every K steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--keep-versions",
@@ -201,14 +241,24 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="record the first N consecutive published versions in the run's versions/ "
         "(real deltas for `deltarl bench codec --versions DIR`)",
     )
+    ap.add_argument(
+        "--rollouts",
+        type=int,
+        default=1,
+        metavar="N",
+        help="rollout daemons, each its own vLLM engine, all fed by the scheduler and reading "
+        "the one apply agent's weight store (default 1)",
+    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="give up after this long")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
     if args.keep_versions < 0:
         ap.error("--keep-versions must not be negative")
+    if args.rollouts < 1:
+        ap.error("--rollouts must be at least 1")
     profile = PROFILES[args.model]
-    for key in ("task", "group_size", "groups_per_step", "max_tokens", "lr"):
+    for key in ("task", "group_size", "groups_per_step", "max_tokens", "lr", "temperature"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(profile, key))
     return args
@@ -229,7 +279,7 @@ def prepare(args: argparse.Namespace) -> Run:
     shm = Path("/dev/shm") / f"deltarl-up-{run_id}"  # noqa: S108 - shared memory, not a temp file
     shm.mkdir(mode=0o700)  # private: the daemons' ipc sockets live here
     profile = PROFILES[args.model]
-    run = Run(directory.resolve(), shm, args.steps, profile)
+    run = Run(directory.resolve(), shm, args.steps, profile, args.rollouts)
     run.task = args.task
     write_config(run, profile.model_dir(default_home()), args)
     return run
@@ -256,10 +306,10 @@ def main(argv: list[str]) -> int:
     )
     code = 1
     try:
-        for daemon in ORDER:
+        for daemon in run.order:
             run.start(daemon)
         print(
-            f"started {', '.join(ORDER)}; waiting for the first step "
+            f"started {', '.join(run.order)}; waiting for the first step "
             "(the rollout engine takes a while to start)",
             file=out,
             flush=True,
@@ -272,7 +322,7 @@ def main(argv: list[str]) -> int:
                 why = f"not done after {args.timeout:.0f} s"
             if why is not None:
                 print(f"deltarl up: {why}; the last lines of each log:", file=sys.stderr)
-                for d in ORDER:
+                for d in run.order:
                     print(f"--- {run.log(d)}\n{run.tail(d)}", file=sys.stderr)
                 return 1
             if recorder is not None:

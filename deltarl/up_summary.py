@@ -6,6 +6,8 @@ Every figure is read from the daemons' ``status`` and the scheduler's run histor
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 import time
 from typing import IO, TYPE_CHECKING, Any
@@ -75,11 +77,15 @@ def summarise(run: Run) -> dict[str, Any]:
     history = run.history()
     if history is None:
         raise SummaryError("the scheduler did not return the run history")
-    if run.status("rollout") is None or run.status("export") is None:
-        raise SummaryError("the rollout daemon or the export agent did not answer status")
+    engines = {name: run.status(name) for name in run.rollouts}
+    silent = [name for name, st in engines.items() if st is None]
+    if silent:
+        raise SummaryError(f"{', '.join(silent)} did not answer status")
+    if run.status("export") is None:
+        raise SummaryError("the export agent did not answer status")
     rows = sorted(history.steps, key=lambda r: int(r["step"])) if history else []
     counters = dict(history.counters) if history else {}
-    rollout = run.status("rollout") or {}
+    rollout = engines["rollout"] or {}
     export = run.status("export") or {}
     refits: list[dict[str, Any]] = rollout.get("refits") or []
     # From the export agent taking a version out of the trainer's store to the engine holding
@@ -90,11 +96,19 @@ def summarise(run: Run) -> dict[str, Any]:
         for r in export.get("recent") or []
         if r.get("outcome") == "active" and r.get("taken_at") is not None
     }
-    totals = [
-        float(r["done"]) - taken[int(r["version"])]
-        for r in refits
-        if int(r["version"]) in taken and r.get("done") is not None
-    ]
+
+    def refit_seconds(loads: list[dict[str, Any]]) -> list[float]:
+        return [
+            float(r["done"]) - taken[int(r["version"])]
+            for r in loads
+            if int(r["version"]) in taken and r.get("done") is not None
+        ]
+
+    def bit_exact(st: dict[str, Any]) -> bool:
+        loads = st.get("refits") or []
+        return bool(loads) and all(r.get("verified") for r in loads) and st.get("mismatches") == 0
+
+    totals = refit_seconds(refits)
     # Duplicates are counted from what the trainer says it trained (StepDone metrics: group id
     # -> samples, one row per step; a step replayed after a trainer restart replaces its row),
     # not from the scheduler's own bookkeeping, so this checks the scheduler rather than
@@ -129,9 +143,8 @@ def summarise(run: Run) -> dict[str, Any]:
         "reward_first": _mean_reward(rows[:3]),
         "reward_last": _mean_reward(rows[-3:]),
         "refit_median_s": round(statistics.median(totals), 6) if totals else float("nan"),
-        "refit_bit_exact": bool(refits)
-        and all(r.get("verified") for r in refits)
-        and rollout.get("mismatches") == 0,
+        # Every engine's every load, when there are several.
+        "refit_bit_exact": all(bit_exact(st or {}) for st in engines.values()),
         "samples_trained": sum(int(r.get("samples") or 0) for r in rows),
         "duplicate_samples": duplicates,
         "max_policy_lag": max(lags, default=0),
@@ -158,7 +171,48 @@ def summarise(run: Run) -> dict[str, Any]:
             }
             for e in rounds
         ],
+        "reward_curve": [{"step": int(r["step"]), "reward": r.get("reward_mean")} for r in rows],
+        "step_time": _step_time(rows, totals),
+        "rollouts": len(engines),
+        "engines": [
+            {
+                "name": name,
+                "versions_applied": [int(r["version"]) for r in (st or {}).get("refits") or []],
+                "refit_median_s": _median(refit_seconds((st or {}).get("refits") or [])),
+                "bit_exact": bit_exact(st or {}),
+                "submitted_groups": int((st or {}).get("submitted_groups") or 0),
+                "generated_tokens": int((st or {}).get("generated_tokens") or 0),
+            }
+            for name, st in engines.items()
+        ],
         "counters": counters,
+    }
+
+
+def _step_time(rows: list[dict[str, Any]], refits: list[float]) -> dict[str, float]:
+    """Where a step's time goes, medians over the run. The trainer's side is serial: wait for
+    a batch (``wait_s``: the samples were not pooled yet), train, publish. Generation runs
+    beside it, a step ahead at a lag bound of 1: ``generate_s`` is a group's time from issue
+    to pooled (in the engine's queue, decoding, scoring), ``reward_s`` the scoring part, and
+    ``refit_s`` a new version's time from the trainer's store into the engine."""
+    done = [float(r["done_at"]) for r in rows if r.get("done_at") is not None]
+    walls = [b - a for a, b in itertools.pairwise(done)]
+    metrics = [r.get("metrics") or {} for r in rows]
+    train = [float(m["step_s"]) for m in metrics if m.get("step_s") is not None]
+    publish = [float(m["publish_s"]) for m in metrics if m.get("publish_s") is not None]
+    wall, train_s, publish_s = _median(walls, 3), _median(train, 3), _median(publish, 3)
+    return {
+        "wall_s": wall,
+        "train_s": train_s,
+        "publish_s": publish_s,
+        "wait_s": round(max(0.0, wall - train_s - publish_s), 3) if walls else float("nan"),
+        "generate_s": _median(
+            [float(r["gen_s_mean"]) for r in rows if r.get("gen_s_mean") is not None], 3
+        ),
+        "reward_s": _median(
+            [float(r["reward_p50_s"]) for r in rows if r.get("reward_p50_s") is not None], 6
+        ),
+        "refit_s": _median(refits, 3),
     }
 
 
@@ -177,6 +231,30 @@ def _not_trained(counters: dict[str, Any]) -> str:
     if not shown:
         return "nothing dropped or requeued"
     return ", ".join(f"{k} {v}" for k, v in sorted(shown.items()))
+
+
+def _engine_lines(s: dict[str, Any]) -> list[str]:
+    """One line per engine when there are several (the line above is the first one's)."""
+    engines = s.get("engines") or []
+    if len(engines) < 2:
+        return []
+    return [
+        f"    {e['name']:<15} {len(e['versions_applied'])} versions, last "
+        f"v{e['versions_applied'][-1] if e['versions_applied'] else '-'}, refit median "
+        f"{e['refit_median_s']:.3f} s, {e['submitted_groups']} groups, bit-exact "
+        f"{'yes' if e['bit_exact'] else 'NO'}"
+        for e in engines
+    ]
+
+
+def _step_line(t: dict[str, Any]) -> str:
+    if not t or math.isnan(t.get("wall_s", math.nan)):
+        return "not measured (fewer than two steps)"
+    return (
+        f"median {t['wall_s']:.1f} s: training {t['train_s']:.1f} s, publishing "
+        f"{t['publish_s']:.2f} s, waiting for samples {t['wait_s']:.1f} s; beside it a group "
+        f"takes {t['generate_s']:.1f} s to generate and score (scoring {t['reward_s']:.4f} s)"
+    )
 
 
 def _eval_line(s: dict[str, Any]) -> str:
@@ -207,7 +285,9 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"  policy lag        at most {s['max_policy_lag']} steps (trainer version minus a "
         "sample's oldest token version)",
         f"  weight refits     {len(versions)} versions loaded into the engine ({shown})",
+        *_engine_lines(s),
         f"  refit time        median {s['refit_median_s']:.3f} s, export pick-up to engine",
+        f"  step time         {_step_line(s.get('step_time') or {})}",
         f"  held-out eval     {_eval_line(s)}",
         f"  deltas            median {s['wire_bytes_median'] / 1e6:.3f} MB on the wire, "
         f"{s['changed_ratio_median']:.4%} of the weights changed per version",

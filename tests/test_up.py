@@ -96,6 +96,21 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     # the live progress and the summary went to stderr
     assert "step  20/20" in proc.stderr
     assert "bit-exact         yes" in proc.stderr
+    # where a step's time went: the trainer's serial parts add up to at most the step's wall
+    t = result["step_time"]
+    assert set(t) == {
+        "wall_s",
+        "train_s",
+        "publish_s",
+        "wait_s",
+        "generate_s",
+        "reward_s",
+        "refit_s",
+    }
+    assert all(t[k] > 0 for k in ("wall_s", "train_s", "publish_s", "generate_s", "refit_s"))
+    assert t["wait_s"] >= 0
+    assert [r["step"] for r in result["reward_curve"]] == list(range(1, steps + 1))
+    assert "step time         median" in proc.stderr
 
 
 # -- kill -9 during a run -----------------------------------------------------------------
@@ -188,6 +203,38 @@ def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> No
     assert sorted(prompts) == list(range(len(prompts)))  # no gap in the dataset's ids
     codes = run.stop()
     assert set(codes.values()) == {0}, codes
+
+
+TWO = ("--rollouts", "2")
+
+
+def test_two_rollout_engines_share_one_store_and_both_generate(home: Path) -> None:
+    steps = 6
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "up", "--json", "--steps", str(steps), *TWO],
+        capture_output=True,
+        text=True,
+        timeout=840,
+        check=False,
+        env={**os.environ, "DELTARL_HOME": str(home)},
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rollouts"] == 2
+    engines = {e["name"]: e for e in result["engines"]}
+    assert set(engines) == {"rollout", "rollout-2"}
+    for e in engines.values():
+        # each engine was fed and followed the trainer, every load proven against its manifest
+        assert e["submitted_groups"] > 0, e
+        assert e["generated_tokens"] > 0, e
+        assert e["bit_exact"] is True, e
+        assert e["versions_applied"] == sorted(e["versions_applied"])
+        assert len(e["versions_applied"]) >= steps // 2, e
+    assert result["refit_bit_exact"] is True
+    assert result["versions_applied"] == engines["rollout"]["versions_applied"]
+    assert result["duplicate_samples"] == 0
+    assert result["samples_trained"] == steps * 8 * 8
+    assert "rollout-2" in proc.stderr  # the summary's line per engine
 
 
 @pytest.mark.slow
