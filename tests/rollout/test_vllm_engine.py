@@ -33,6 +33,7 @@ from deltarl.engine.weight_store import WeightStore
 from deltarl.rl.tiny_model import ensure_default_model
 from deltarl.rollout.engine import FinishedGroup, VllmEngine, VllmEngineConfig
 from deltarl.rollout.worker_ext import WeightVerificationError, layer_key, tensors_to_load
+from deltarl.trainer.grpo import token_logprobs
 
 SAMPLE_KEYS = {
     "prompt_token_ids",
@@ -167,6 +168,26 @@ def test_logprobs_are_the_sampled_tokens_under_the_served_weights(
     assert report["version"] == version == engine.version
 
 
+def test_logprobs_at_a_temperature_are_what_the_trainer_computes_at_it(
+    engine: VllmEngine, store: WeightStore, base_weights: dict, model_dir: Path
+) -> None:
+    """The GRPO ratio's two sides agree below 1.0: vLLM's processed log-probabilities of
+    tokens drawn at temperature T are the trainer's ``token_logprobs(..., T)``."""
+    new = perturbed(base_weights, seed=7, scale=0.05)
+    engine.update_weights(store.name, store.path.parent, commit(store, new))
+    sample = run(engine, PROMPT, max_tokens=8, temperature=0.7).samples[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in new.items()})
+    ids = torch.tensor([sample["prompt_token_ids"] + sample["token_ids"]])
+    start = len(sample["prompt_token_ids"]) - 1
+    with torch.no_grad():
+        at_t = token_logprobs(model, ids, torch.ones_like(ids), 0.7)[0, start:]
+        at_one = token_logprobs(model, ids, torch.ones_like(ids))[0, start:]
+    got = torch.tensor(sample["logprobs"])
+    assert torch.allclose(got, at_t, atol=0.05)  # bf16 inference against fp32
+    assert (got - at_one).abs().max() > 0.1  # and the temperature shows
+
+
 def test_update_is_bit_exact_with_the_store_and_changes_the_output(
     engine: VllmEngine, store: WeightStore, base_weights: dict
 ) -> None:
@@ -225,22 +246,38 @@ def test_prefix_cache_is_shared_within_a_version_and_never_across(
 
 
 def test_a_rollout_crossing_an_update_tags_each_token_with_its_version(
-    engine: VllmEngine, store: WeightStore, base_weights: dict
+    engine: VllmEngine, store: WeightStore, base_weights: dict, model_dir: Path
 ) -> None:
-    old = engine.version
+    # Async scheduling would let step() return with a batch still executing, whose tokens a
+    # refit between two steps would then tag with the new version: it is off whatever the
+    # platform's default (vLLM turns it on for one GPU process).
+    assert engine._engine is not None
+    assert engine._engine.vllm_config.scheduler_config.async_scheduling is False
+    before = perturbed(base_weights, seed=3, scale=0.05)
+    old = commit(store, before)
+    engine.update_weights(store.name, store.path.parent, old)
     engine.add_group("crossing", PROMPT, 1, {"temperature": 1.0, "max_tokens": 24, "seed": 5})
     done: list[FinishedGroup] = []
     for _ in range(4):
         done += engine.step()
     assert not done
-    new = commit(store, perturbed(base_weights, seed=4, scale=0.05))
+    after = perturbed(base_weights, seed=4, scale=0.05)
+    new = commit(store, after)
     engine.update_weights(store.name, store.path.parent, new)
     while engine.has_work():
         done += engine.step()
-    versions = done[0].samples[0]["token_versions"]
+    sample = done[0].samples[0]
+    versions = sample["token_versions"]
     k = versions.count(old)
     assert 0 < k < len(versions) == 24
     assert versions == [old] * k + [new] * (len(versions) - k)
+    # The tags are true. A token tagged with the old version is that of the old weights; one
+    # tagged with the new version is not (it is not the new weights' alone either: the request
+    # keeps the keys and values its earlier tokens computed with the old weights).
+    got = torch.tensor(sample["logprobs"])
+    old_lp = hf_logprobs(before, model_dir, sample)
+    assert torch.allclose(got[:k], old_lp[:k], atol=0.05)
+    assert ((got[k:] - old_lp[k:]).abs() > 0.05).all(), (got[k:], old_lp[k:])
 
 
 def test_update_refuses_a_version_the_store_does_not_hold(
