@@ -188,9 +188,18 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "store_root": shm,
             "model_dir": str(model_dir),
             "max_running_groups": 2 * args.groups_per_step,
-            "engine": run.profile.engine(),
+            "engine": _engine_table(run.profile.engine(), args.engine_args),
         }
     write_toml(run.config, {"daemons": daemons})
+
+
+def _engine_table(profile: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """The rollout engine's table: the profile's knobs, ``--engine-arg`` fields merged into
+    its ``engine_args``."""
+    table = dict(profile)
+    if extra:
+        table["engine_args"] = {**table.get("engine_args", {}), **extra}
+    return table
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -242,6 +251,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "(real deltas for `deltarl bench codec --versions DIR`)",
     )
     ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further vllm.EngineArgs field for every rollout engine, VALUE read as JSON "
+        "where it parses (gpu_memory_utilization=0.3: two engines on one GPU); repeatable",
+    )
+    ap.add_argument(
         "--rollouts",
         type=int,
         default=1,
@@ -257,6 +274,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         ap.error("--keep-versions must not be negative")
     if args.rollouts < 1:
         ap.error("--rollouts must be at least 1")
+    args.engine_args = {}
+    for item in args.engine_arg:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            ap.error(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        try:
+            args.engine_args[key] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            args.engine_args[key] = value  # a plain string
     profile = PROFILES[args.model]
     for key in ("task", "group_size", "groups_per_step", "max_tokens", "lr", "temperature"):
         if getattr(args, key) is None:

@@ -1,0 +1,40 @@
+"""What ``deltarl up`` writes for its daemons, without starting any: one table per rollout
+daemon, each its own instance reading the one store, and ``--engine-arg`` in every engine."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from deltarl import up
+
+
+def _tables(tmp_path: Path, argv: list[str]) -> dict:
+    args = up._parse(argv)
+    run = up.Run(tmp_path, tmp_path / "shm", args.steps, up.PROFILES[args.model], args.rollouts)
+    up.write_config(run, tmp_path / "model", args)
+    return tomllib.loads(run.config.read_text())["daemons"]
+
+
+def test_several_rollout_daemons_are_instances_of_one_store(tmp_path: Path) -> None:
+    argv = ["--rollouts", "3", "--engine-arg", "gpu_memory_utilization=0.3"]
+    daemons = _tables(tmp_path, [*argv, "--engine-arg", "swap_space=0"])
+    names = ["rollout", "rollout-2", "rollout-3"]
+    assert [d for d in daemons if d.startswith("rollout")] == names
+    rollouts = [daemons[n] for n in names]
+    assert [r["instance"] for r in rollouts] == names
+    assert len({r["control"] for r in rollouts}) == 3  # each answers on its own socket
+    assert {r["rollout_store"] for r in rollouts} == {daemons["apply"]["rollout_store"]}
+    for r in rollouts:
+        assert r["engine"]["engine_args"] == {"gpu_memory_utilization": 0.3, "swap_space": 0}
+
+
+def test_one_rollout_by_default_and_bad_counts_are_refused(tmp_path: Path) -> None:
+    daemons = _tables(tmp_path, [])
+    assert [d for d in daemons if d.startswith("rollout")] == ["rollout"]
+    with pytest.raises(SystemExit):
+        up._parse(["--rollouts", "0"])
+    with pytest.raises(SystemExit):
+        up._parse(["--engine-arg", "no-equals-sign"])
