@@ -112,13 +112,22 @@ class RLTrainerConfig(DaemonTable):
     request_timeout_s: float = 30.0
     threads: int = 0
     """Torch intra-op threads; 0: torch's default. Bit-exact resume needs the same number."""
+    ranks: int = 1
+    """Data-parallel ranks (deltarl/trainer/ranks.py): this daemon is rank 0 and starts the
+    others as its own processes, ``threads`` torch threads each. Bit-exact resume needs the
+    same number."""
+    rank_timeout_s: float = 600.0
+    """How long a collective may wait for a rank that does not answer (one that died is seen
+    at once): then the step fails and the daemon exits for its supervisor to restart it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("checkpoint_every", "keep_checkpoints", "groups_per_step", "micro_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
-        positive(self, "lr", "clip_eps", "wait_s", "request_timeout_s")
+        positive(self, "lr", "clip_eps", "wait_s", "request_timeout_s", "rank_timeout_s")
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be at least 1, got {self.ranks}")
         non_negative(self, "weight_decay", "kl_coef", "max_grad_norm", "max_steps", "threads")
         endpoints(self, "scheduler_samples")
         if self.scheduler_samples is None:

@@ -1,4 +1,7 @@
-"""``deltarl trainer --config FILE``: GRPO on the scheduler's sample pool; bf16 versions out.
+"""``deltarl trainer --config FILE [--nproc N]``: GRPO on the sample pool; bf16 versions out.
+
+``--nproc N`` overrides the table's ``ranks``: N data-parallel ranks, this process rank 0
+(deltarl/trainer/ranks.py).
 
 The process around ``deltarl.trainer.service.TrainerService`` (its loop, resume and stop
 rules are described there): the scheduler's control client, the daemon runtime
@@ -9,6 +12,12 @@ version, checkpoint step, last metrics, activity), ``pause`` (after the step in 
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import functools
+import sys
+
+from deltarl.config import EX_CONFIG
 from deltarl.config.rl import RLTrainerConfig
 from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
@@ -18,7 +27,11 @@ from deltarl.transport.blobs import BlobClient
 from deltarl.transport.control import ControlClient
 
 
-async def _build(cfg: RLTrainerConfig, context: DaemonContext) -> TrainerService:
+async def _build(
+    cfg: RLTrainerConfig, context: DaemonContext, nproc: int | None = None
+) -> TrainerService:
+    if nproc is not None:
+        cfg = dataclasses.replace(cfg, ranks=nproc)
     scheduler = ControlClient(cfg.scheduler, replies=REPLIES)
     samples = BlobClient(cfg.samples_endpoint)
     context.on_close(scheduler.close)
@@ -27,4 +40,11 @@ async def _build(cfg: RLTrainerConfig, context: DaemonContext) -> TrainerService
 
 
 def main(argv: list[str]) -> int:
-    return daemon_main("trainer", RLTrainerConfig, argv, _build, __doc__ or "deltarl trainer")
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--nproc", type=int)
+    known, rest = ap.parse_known_args(argv)
+    if known.nproc is not None and known.nproc < 1:
+        print(f"deltarl trainer: --nproc must be at least 1, got {known.nproc}", file=sys.stderr)
+        return EX_CONFIG
+    build = functools.partial(_build, nproc=known.nproc)
+    return daemon_main("trainer", RLTrainerConfig, rest, build, __doc__ or "deltarl trainer")

@@ -34,7 +34,7 @@ Choices, and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -284,15 +284,30 @@ class StepStats:
     reward_mean: float
 
 
+GradReduce = Callable[[list[nn.Parameter], dict[str, float]], None]
+"""Sums the gradients of the parameters and the loss sums over the data-parallel ranks, in
+place (``deltarl.trainer.ranks``); every rank calls it with the same parameter list."""
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: GRPOBatch,
     config: GRPOConfig,
     reference: nn.Module | None = None,
+    *,
+    total_tokens: int | None = None,
+    reduce: GradReduce | None = None,
 ) -> StepStats:
-    """One optimizer step of GRPO on ``batch`` (micro-batched, gradients accumulated)."""
-    total = batch.tokens
+    """One optimizer step of GRPO on ``batch`` (micro-batched, gradients accumulated).
+
+    Data parallel: each rank passes its share of the step's rows as ``batch``, the whole
+    step's completion tokens as ``total_tokens`` (the loss's normaliser, so that the ranks'
+    gradients add up to the whole batch's), and ``reduce``, which sums gradients and loss
+    sums over the ranks before the clip and the optimizer step; every rank then takes the
+    same step. ``samples`` and ``reward_mean`` stay this rank's.
+    """
+    total = batch.tokens if total_tokens is None else total_tokens
     optimizer.zero_grad(set_to_none=True)
     acc = {"loss": 0.0, "kl": 0.0, "kl_behaviour": 0.0, "clipped": 0.0}
     for micro in batch.micro_batches(config.micro_batch):
@@ -319,6 +334,8 @@ def train_step(
         for key in acc:
             acc[key] += getattr(sums, key)
     params = [p for p in model.parameters() if p.requires_grad]
+    if reduce is not None and total:
+        reduce(params, acc)  # every parameter has a gradient after it, on every rank
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm).item()) if total else 0.0
     # Step even with no tokens (AdamW leaves parameters without a gradient alone): one call per

@@ -42,7 +42,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -54,9 +54,10 @@ from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonCore, PauseGate
 from deltarl.engine.weight_store import SegmentFormatError
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
-from deltarl.trainer.checkpoint import Checkpointer
+from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
 from deltarl.trainer.grpo import BatchError, GRPOConfig, ScoredGroup, build_batch, train_step
 from deltarl.trainer.publisher import Publisher
+from deltarl.trainer.ranks import Workers, check_same_start, reduce_gradients
 from deltarl.trainer.shipped import FetchBlobs, ShippedItem, fetch_groups, parse_items
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
@@ -99,6 +100,44 @@ def load_model(model_dir: Path) -> nn.Module:
     return model  # type: ignore[no-any-return]
 
 
+@dataclass
+class Built:
+    """What a trainer rank starts from: the model, its optimizer, the KL reference, the
+    checkpoints and the one it restored (None: a fresh start at step 0)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    reference: nn.Module | None
+    checkpointer: Checkpointer
+    found: Checkpoint | None
+
+    @property
+    def step(self) -> int:
+        return 0 if self.found is None else self.found.step
+
+
+def build_model(cfg: RLTrainerConfig) -> Built:
+    """The model, optimizer and reference of every rank, restored from the newest sound
+    checkpoint: one code path for rank 0 and the workers, so that they start equal (R1 in
+    deltarl/trainer/ranks.py)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)  # a library may draw from numpy's global generator
+    model = load_model(cfg.model_dir)
+    # The reference is the initial model; a restart rebuilds it the same way.
+    reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    checkpointer = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+    found = checkpointer.restore(model, optimizer)
+    if found is not None:
+        for group in optimizer.param_groups:
+            # The configuration may have been changed on purpose before this restart.
+            group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+    return Built(model, optimizer, reference, checkpointer, found)
+
+
 class TrainerService(DaemonCore):
     """The training loop and its state; the process module adds the sockets."""
 
@@ -128,31 +167,25 @@ class TrainerService(DaemonCore):
         self.publisher: Publisher | None = None
         self.checkpointer: Checkpointer | None = None
         self._restored = False
+        self.workers: Workers | None = None
 
     # -- the torch side (runs in the training thread) -------------------------------------
 
     def _setup(self) -> None:
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)  # a library may draw from numpy's global generator
-        model = load_model(cfg.model_dir)
-        if cfg.kl_coef > 0:
-            # The reference is the initial model; a restart rebuilds it the same way.
-            self.reference = copy.deepcopy(model).requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
-        found = self.checkpointer.restore(model, optimizer)
+        built = build_model(cfg)
+        found = built.found
         if found is not None:
             self.step, self.version = found.step, found.version
             self.checkpoint_step = self.reported_step = found.step
             self._restored = True
-            for group in optimizer.param_groups:
-                # The configuration may have been changed on purpose before this restart.
-                group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
-        self.model, self.optimizer = model, optimizer
+        model = built.model
+        self.model, self.optimizer, self.reference = model, built.optimizer, built.reference
+        self.checkpointer = built.checkpointer
+        if cfg.ranks > 1:
+            self.workers = Workers(cfg)
+            self.workers.start()
+            check_same_start(model, self.step)
         try:
             self.publisher = Publisher(model, cfg.published_store, root=cfg.store_root)
         except SegmentFormatError as e:
@@ -179,13 +212,30 @@ class TrainerService(DaemonCore):
             raise BatchError(f"the batch's temperature {temperature!r} is not positive")
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=cfg.pad_token_id)  # BatchError: nothing changed
-        stats = train_step(
-            self.model,
-            self.optimizer,
-            batch,
-            GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature),
-            self.reference,
+        grpo = GRPOConfig(
+            cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature
         )
+        if self.workers is None:
+            stats = train_step(self.model, self.optimizer, batch, grpo, self.reference)
+        else:
+            # A lost rank fails the collective here: the step is not taken, and the error
+            # ends the daemon (R3 in deltarl/trainer/ranks.py).
+            start, stop = self.workers.step(step, batch, temperature)
+            stats = train_step(
+                self.model,
+                self.optimizer,
+                batch.rows(start, stop),
+                grpo,
+                self.reference,
+                total_tokens=batch.tokens,
+                reduce=reduce_gradients,
+            )
+            # The whole step's figures, not rank 0's share.
+            stats = replace(
+                stats,
+                samples=batch.size,
+                reward_mean=float(batch.rewards.mean().item()),
+            )
         t1 = time.perf_counter()
         self.publisher.publish(step)
         t2 = time.perf_counter()
@@ -350,6 +400,9 @@ class TrainerService(DaemonCore):
                         self.checkpoint_step,
                     )
         finally:
+            if self.workers is not None:
+                # On the training thread, after its last collective: the workers exit.
+                await asyncio.wrap_future(self._executor.submit(self.workers.stop))
             self._executor.shutdown(wait=True)
             if self.publisher is not None:
                 self.publisher.close()
@@ -367,6 +420,8 @@ class TrainerService(DaemonCore):
             "published_version": None if publisher is None else publisher.active_version,
             "checkpoint_step": self.checkpoint_step,
             "reported_step": self.reported_step,
+            "ranks": self.config.ranks,
+            "ranks_alive": 1 if self.workers is None else self.workers.alive(),
             "metrics": self.metrics,
             "activity": self.activity,
             "wait_reason": self.wait_reason,

@@ -111,7 +111,7 @@ class SchedulerPeer:
             self.store.close()
 
 
-def write_config(run: Path, model_dir: Path, checkpoint_every: int) -> Path:
+def write_config(run: Path, model_dir: Path, checkpoint_every: int, extra: str = "") -> Path:
     run.mkdir(parents=True, exist_ok=True)
     path = run / "deltarl.toml"
     path.write_text(f"""
@@ -131,6 +131,7 @@ weight_decay = 0.01
 kl_coef = 0.05
 wait_s = 0.05
 threads = 1
+{extra}
 """)
     return path
 

@@ -1,0 +1,284 @@
+"""Data-parallel trainer ranks on ``torch.distributed``: ``ranks = N`` in ``[daemons.trainer]``,
+or ``deltarl trainer --nproc N``.
+
+Rank 0 is the trainer daemon: it talks to the scheduler, fetches the samples, publishes every
+version and writes every checkpoint. Ranks 1 .. N-1 are processes it starts itself
+(``python -m deltarl.trainer.ranks SPEC RANK``), each with the same model, optimizer and
+checkpoint as rank 0 (``deltarl.trainer.service.build_model``, the same code). They join one
+process group (gloo on CPU, over TCP on 127.0.0.1) and then, per step:
+
+    rank 0      broadcast a header (what to do, the step, the batch's shape, its temperature),
+                then the batch's tensors
+    every rank  its contiguous share of the rows (``share``), micro-batched; the loss of each is
+                divided by the whole step's completion tokens, so the ranks' gradients add up
+                to the whole batch's
+                all_reduce(SUM) of the gradients, flattened into one buffer in parameter order,
+                and of the loss sums
+                the same clip and the same AdamW step on every rank
+
+Invariants:
+- R1: after every step every rank holds the same weights and optimizer state. The reduced
+  gradients are the same bits on every rank (one all_reduce hands each rank the same result),
+  and clip and AdamW are deterministic functions of them. Checked when the group forms: each
+  worker's digest of its weights and step must equal rank 0's, or the worker refuses to start.
+- R2: only rank 0 writes (versions, checkpoints); a worker never touches a store or a file.
+- R3: one rank lost loses the whole group. A worker that dies (or is killed) makes rank 0's next
+  collective fail; rank 0 then raises, the trainer daemon exits 1 and its supervisor (systemd,
+  a test) starts it again: it starts a fresh set of workers, every rank restores the newest
+  checkpoint, and the scheduler replays the steps after it, which retrain bit-identically for
+  the same N (the all_reduce of a given world size sums in a fixed order). Rank 0 dying takes
+  its workers with it: they are in its process group, and the kernel signals them when it dies
+  (``PR_SET_PDEATHSIG``), besides their collectives failing.
+
+Whether rank 0 publishes the whole version or each rank its shard: with data parallelism every
+rank holds the whole model, so rank 0 publishing it costs no transfer between ranks at all; a
+sharded (FSDP) trainer would need a gather first or shard-wise publishing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import nn
+
+from deltarl.trainer.grpo import GRPOBatch
+
+if TYPE_CHECKING:
+    from deltarl.config.rl import RLTrainerConfig
+
+logger = logging.getLogger(__name__)
+
+OP_STOP, OP_STEP = 0, 1
+_HEADER = 6  # op, step, rows, columns, temperature, total tokens
+SPEC_NAME = "ranks.json"
+"""The spec rank 0 writes into its checkpoint directory for the workers it starts."""
+
+
+def share(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a step's ``rows`` that ``rank`` of ``world`` trains."""
+    return rows * rank // world, rows * (rank + 1) // world
+
+
+def weights_digest(model: nn.Module) -> str:
+    """xxh3-128 of every parameter's bytes, in order: equal on two ranks iff their weights are."""
+    h = xxhash.xxh3_128()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def reduce_gradients(params: list[nn.Parameter], sums: dict[str, float]) -> None:
+    """``GradReduce`` over the default process group: SUM of every gradient (a rank that had no
+    token gives zeros) and of the loss sums, in place."""
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    )
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+    keys = sorted(sums)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(totals)
+    sums.update(zip(keys, totals.tolist(), strict=True))
+
+
+def _header(op: int, step: int = 0, batch: GRPOBatch | None = None, temp: float = 1.0) -> Any:  # noqa: ANN401
+    rows, cols = (0, 0) if batch is None else tuple(batch.input_ids.shape)
+    total = 0 if batch is None else batch.tokens
+    return torch.tensor([op, step, rows, cols, temp, total], dtype=torch.float64)
+
+
+def broadcast_batch(batch: GRPOBatch) -> None:
+    """Rank 0's half of ``receive_batch``: the tensors, in a fixed order."""
+    for t in (
+        batch.input_ids,
+        batch.attention_mask,
+        batch.loss_mask,
+        batch.behaviour_logprobs,
+        batch.advantages,
+        batch.rewards,
+    ):
+        dist.broadcast(t.contiguous(), src=0)
+
+
+def receive_batch(rows: int, cols: int) -> GRPOBatch:
+    def get(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=0)
+        return t
+
+    return GRPOBatch(
+        input_ids=get((rows, cols), torch.int64),
+        attention_mask=get((rows, cols), torch.int64),
+        loss_mask=get((rows, cols - 1), torch.float32),
+        behaviour_logprobs=get((rows, cols - 1), torch.float32),
+        advantages=get((rows,), torch.float32),
+        rewards=get((rows,), torch.float32),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def join(rank: int, world: int, address: str, timeout_s: float) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def check_same_start(model: nn.Module, step: int) -> None:
+    """R1 at the start: every rank's weights and step equal rank 0's, or this rank raises."""
+    mine = orjson.dumps([weights_digest(model), step])
+    sizes = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.broadcast(sizes, src=0)
+    buf = torch.zeros(int(sizes.item()), dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    if bytes(buf.numpy()) != mine:
+        raise RuntimeError(
+            f"rank {dist.get_rank()} starts from other weights or another step than rank 0 "
+            f"(rank 0: {bytes(buf.numpy()).decode()}, here: {mine.decode()})"
+        )
+
+
+class Workers:
+    """Rank 0's handle on ranks 1 .. N-1: starts them, forms the group, drives each step."""
+
+    def __init__(self, config: RLTrainerConfig) -> None:
+        self.config = config
+        self.world = config.ranks
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        """Start the workers and join the group with them (rank 0). Call before anything else
+        touches torch.distributed in this process."""
+        cfg = self.config
+        address = f"127.0.0.1:{_free_port()}"
+        cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        spec = cfg.checkpoint_dir / SPEC_NAME
+        record = dataclasses.asdict(cfg)
+        tmp = spec.with_suffix(".tmp")
+        tmp.write_bytes(
+            orjson.dumps({"config": record, "world": self.world, "address": address}, default=str)
+        )
+        tmp.replace(spec)
+        for rank in range(1, self.world):
+            log = cfg.checkpoint_dir / f"rank{rank}.log"
+            with log.open("ab") as out:
+                self.procs.append(
+                    subprocess.Popen(  # noqa: S603 - our own module
+                        [sys.executable, "-m", "deltarl.trainer.ranks", str(spec), str(rank)],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        join(0, self.world, address, cfg.rank_timeout_s)
+        logger.info("trainer ranks: %d processes in one gloo group at %s", self.world, address)
+
+    def alive(self) -> int:
+        """Ranks running now, rank 0 included."""
+        return 1 + sum(p.poll() is None for p in self.procs)
+
+    def step(self, step: int, batch: GRPOBatch, temperature: float) -> tuple[int, int]:
+        """Hand ``batch`` to every worker; the rows rank 0 trains itself."""
+        dist.broadcast(_header(OP_STEP, step, batch, temperature), src=0)
+        broadcast_batch(batch)
+        return share(batch.size, 0, self.world)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Tell the workers to exit and wait for them; kill what does not."""
+        told = False
+        try:
+            if dist.is_initialized() and self.alive() == self.world:
+                dist.broadcast(_header(OP_STOP), src=0)
+                told = True
+        except (RuntimeError, ValueError) as e:  # a worker is gone already
+            logger.warning("trainer ranks: could not tell the workers to stop: %s", e)
+        for p in self.procs:
+            try:
+                # The group is broken when one was lost: the others would wait in a
+                # collective that never completes, so they are killed at once.
+                p.wait(timeout_s if told else 0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the one that started it dies (Linux; a no-op elsewhere)."""
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+
+
+def worker(spec_path: Path, rank: int) -> int:
+    """Rank ``rank``: build the model as rank 0 does, join, then follow rank 0's steps."""
+    from deltarl.config.rl import RLTrainerConfig  # noqa: PLC0415 - only workers need these
+    from deltarl.config.tables import build  # noqa: PLC0415
+    from deltarl.trainer.grpo import GRPOConfig, train_step  # noqa: PLC0415
+    from deltarl.trainer.service import build_model  # noqa: PLC0415 - it imports this module
+
+    _die_with_parent()
+    spec = orjson.loads(spec_path.read_bytes())
+    record = {k: v for k, v in spec["config"].items() if v is not None}
+    cfg = build(RLTrainerConfig, "[daemons.trainer] of rank 0", record)
+    built = build_model(cfg)
+    join(rank, int(spec["world"]), str(spec["address"]), cfg.rank_timeout_s)
+    check_same_start(built.model, built.step)
+    logger.info("rank %d of %d: at step %d", rank, spec["world"], built.step)
+    while True:
+        header = _header(OP_STOP)
+        dist.broadcast(header, src=0)
+        op, step, rows, cols, temperature, total = header.tolist()
+        if int(op) == OP_STOP:
+            dist.destroy_process_group()
+            return 0
+        batch = receive_batch(int(rows), int(cols))
+        start, stop = share(int(rows), rank, int(spec["world"]))
+        train_step(
+            built.model,
+            built.optimizer,
+            batch.rows(start, stop),
+            GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature),
+            built.reference,
+            total_tokens=int(total),
+            reduce=reduce_gradients,
+        )
+        logger.info("rank %d: step %d, rows %d:%d", rank, int(step), start, stop)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s trainer-rank{sys.argv[2]} %(levelname)s %(message)s",
+    )
+    sys.exit(worker(Path(sys.argv[1]), int(sys.argv[2])))
