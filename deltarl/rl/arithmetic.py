@@ -8,12 +8,20 @@ answer in one fixed form:
 
     What is 47 + 385? End your reply with "Answer: <number>".
 
-reward = 1.0 when the completion's answer equals the true value, else 0.0: exact, no credit
-for the form. The answer is the number after the last ``Answer:``; a completion without that
-form is read by its last number. (Measured on SmolLM2-135M-Instruct, greedy, chat template:
-the form was followed in a minority of replies, and the last number was the answer as often
-as the form was; paying only the form-following correct answers would leave most groups with
-no reward at all, so nothing for GRPO to learn from.)
+The reward pays the answer in the asked form most, and the form a little:
+
+    1.0   the number after the last ``Answer:`` is the true value
+    0.5   no ``Answer:`` at all, but the completion's last number is the true value
+    0.1   ``Answer: <number>`` with a wrong value (the form alone)
+    0.0   anything else
+
+Accuracy (the held-out evaluation's) is the share of samples with reward exactly 1.0: the
+right value in the asked form. Measured on SmolLM2-135M-Instruct with the chat template,
+greedy: the last number was right in about 23% of replies but the form was followed in only
+10% (27% of samples at temperature 0.7). An exact-value reward that ignores the form
+(how this task began) moved greedy held-out answers on 3 of 128 problems in 10 steps; the
+tiers give GRPO an order among the wrong answers too, and what the policy learns first is
+the instruction it was given.
 
 The levels are weighted towards the easy ones, where a 135M model is right a third of the time
 or more when greedy (and far less when sampling at temperature 1), so that groups carry signal
@@ -78,7 +86,7 @@ def draw(seed: int, split: int, index: int) -> Problem:
 class Arithmetic:
     seed: int = 0
     size: int = 0  # 0: unbounded training prompts
-    eval_size: int = 64
+    eval_size: int = 128
     name: str = "arithmetic"
     _held_out: frozenset[Problem] = field(init=False, repr=False, compare=False)
 
@@ -123,14 +131,25 @@ def parse(prompt: str) -> Problem:
     return int(m.group(1)), m.group(2), int(m.group(3))
 
 
+RIGHT, RIGHT_UNFORMED, FORM_ONLY = 1.0, 0.5, 0.1
+
+
+def _int(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
 def answer(completion: str) -> int | None:
     """The number after the last ``Answer:`` in ``completion``, else its last number (commas
     as thousands separators allowed), or None."""
     found = _ANSWER.findall(completion) or _NUMBER.findall(completion)
-    if not found:
-        return None
-    return int(found[-1].replace(",", ""))
+    return _int(found[-1]) if found else None
 
 
 def score(problem: Problem, completion: str) -> float:
-    return 1.0 if answer(completion) == solve(problem) else 0.0
+    """The reward tiers of the module docstring."""
+    value = solve(problem)
+    stated = _ANSWER.findall(completion)
+    if stated:
+        return RIGHT if _int(stated[-1]) == value else FORM_ONLY
+    numbers = _NUMBER.findall(completion)
+    return RIGHT_UNFORMED if numbers and _int(numbers[-1]) == value else 0.0

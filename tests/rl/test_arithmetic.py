@@ -52,12 +52,14 @@ def test_the_held_out_split_never_appears_in_training() -> None:
     [
         ("47 + 385 = 432\nAnswer: 432", 1.0),
         ("Answer: 400\nWait, recheck.\nAnswer: 432", 1.0),  # the last answer counts
-        ("Answer: 432\nno, Answer: 431", 0.0),
+        ("Answer: 432\nno, Answer: 431", 0.1),  # the form, a wrong value
         ("Answer: **432**", 1.0),
-        ("Answer: 1,432", 0.0),
+        ("Answer: 1,432", 0.1),
         ("Answer: 432, since 47 + 385 = 432 (not 400)", 1.0),  # the form wins over later numbers
-        ("47 + 385 = 432", 1.0),  # without the form: the last number
+        ("47 + 385 = 432", 0.5),  # right, but not in the asked form: the last number
+        ("The answer is 432.", 0.5),
         ("432 is wrong, it is 431", 0.0),
+        ("Answer: none", 0.0),  # no number after it: not the form
         ("no number at all", 0.0),
         ("", 0.0),
     ],

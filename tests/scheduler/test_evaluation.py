@@ -196,7 +196,7 @@ def test_a_round_at_every_eval_every_steps_measured_on_the_new_weights(tmp_path:
         assert second["finished"]
         assert not second["partial"]
         # a wrong answer in the right form earns the format credit, not accuracy
-        assert second["reward_mean"] == pytest.approx(0.5)  # exact answers only
+        assert second["reward_mean"] == pytest.approx(0.5 * 1.0 + 0.5 * 0.1)
         rows = {r["step"]: r for r in hist.steps}
         assert rows[1]["eval_accuracy"] is None
         assert rows[1]["eval_samples"] == 0
