@@ -33,7 +33,8 @@ Added to the object: ``counters`` (every drop, requeue and lag action with its r
 generation and scoring, refit; medians), ``rollouts`` and ``engines`` (per rollout daemon:
 versions applied, refit median, bit-exact, groups and tokens generated).
 
-``--rollouts N`` runs N rollout daemons (``rollout``, ``rollout-2`` ...), each its own vLLM
+``--trainer-ranks M`` runs the trainer as M data-parallel ranks (``trainer_ranks`` in the
+object). ``--rollouts N`` runs N rollout daemons (``rollout``, ``rollout-2`` ...), each its own vLLM
 engine and scheduler instance, all reading the one apply agent's weight store. The keys about
 "the engine" above (versions_applied, refit_median_s) are the first one's; refit_bit_exact
 holds for every engine's every load.
@@ -155,7 +156,8 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_steps": run.steps,
             "lr": args.lr,
             "seed": args.seed,
-            **run.profile.trainer_table(),
+            "ranks": args.trainer_ranks,
+            **run.profile.trainer_table(args.trainer_ranks),
         },
         "export": {
             "control": run.endpoint("export"),
@@ -259,6 +261,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "where it parses (gpu_memory_utilization=0.3: two engines on one GPU); repeatable",
     )
     ap.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        metavar="M",
+        help="data-parallel trainer ranks (the trainer's `ranks`; default 1)",
+    )
+    ap.add_argument(
         "--rollouts",
         type=int,
         default=1,
@@ -274,6 +283,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         ap.error("--keep-versions must not be negative")
     if args.rollouts < 1:
         ap.error("--rollouts must be at least 1")
+    if args.trainer_ranks < 1:
+        ap.error("--trainer-ranks must be at least 1")
     args.engine_args = {}
     for item in args.engine_arg:
         key, eq, value = item.partition("=")

@@ -67,7 +67,7 @@ class Profile:
 
         return {} if torch.cuda.is_available() else dict(self.rollout_engine)
 
-    def trainer_table(self) -> dict[str, Any]:
+    def trainer_table(self, ranks: int = 1) -> dict[str, Any]:
         """Further ``[daemons.trainer]`` keys here. Without a GPU the trainer and the rollout
         engine share the CPU: the trainer takes half the cores (torch would take them all),
         so that neither process's OpenMP threads wait at barriers for a thread the other
@@ -78,7 +78,8 @@ class Profile:
 
         table = dict(self.trainer)
         if not torch.cuda.is_available() and self.rollout_engine:
-            table.setdefault("threads", max(1, (os.cpu_count() or 2) // 2))
+            # Half the cores for the trainer, shared among its ranks.
+            table.setdefault("threads", max(1, (os.cpu_count() or 2) // 2 // ranks))
         return table
 
     def model_dir(self, home: Path) -> Path:

@@ -174,6 +174,7 @@ def summarise(run: Run) -> dict[str, Any]:
         "reward_curve": [{"step": int(r["step"]), "reward": r.get("reward_mean")} for r in rows],
         "step_time": _step_time(rows, totals),
         "rollouts": len(engines),
+        "trainer_ranks": int((run.status("trainer") or {}).get("ranks") or 1),
         "engines": [
             {
                 "name": name,

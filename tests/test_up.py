@@ -205,10 +205,10 @@ def test_kill_trainer_and_rollout_no_duplicate_or_lost_sample(run: up.Run) -> No
     assert set(codes.values()) == {0}, codes
 
 
-TWO = ("--rollouts", "2")
+TWO = ("--rollouts", "2", "--trainer-ranks", "2")
 
 
-def test_two_rollout_engines_share_one_store_and_both_generate(home: Path) -> None:
+def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
     steps = 6
     proc = subprocess.run(
         [sys.executable, "-m", "deltarl.cli", "up", "--json", "--steps", str(steps), *TWO],
@@ -220,7 +220,7 @@ def test_two_rollout_engines_share_one_store_and_both_generate(home: Path) -> No
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     result = orjson.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["rollouts"] == 2
+    assert (result["rollouts"], result["trainer_ranks"]) == (2, 2)
     engines = {e["name"]: e for e in result["engines"]}
     assert set(engines) == {"rollout", "rollout-2"}
     for e in engines.values():

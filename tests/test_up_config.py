@@ -29,6 +29,13 @@ def test_several_rollout_daemons_are_instances_of_one_store(tmp_path: Path) -> N
     assert {r["rollout_store"] for r in rollouts} == {daemons["apply"]["rollout_store"]}
     for r in rollouts:
         assert r["engine"]["engine_args"] == {"gpu_memory_utilization": 0.3, "swap_space": 0}
+    assert daemons["trainer"]["ranks"] == 1
+
+
+def test_trainer_ranks_share_the_trainer_threads(tmp_path: Path) -> None:
+    daemons = _tables(tmp_path, ["--trainer-ranks", "2", "--model", "smollm2-135m"])
+    assert daemons["trainer"]["ranks"] == 2
+    assert daemons["trainer"]["threads"] >= 1
 
 
 def test_one_rollout_by_default_and_bad_counts_are_refused(tmp_path: Path) -> None:
@@ -38,3 +45,5 @@ def test_one_rollout_by_default_and_bad_counts_are_refused(tmp_path: Path) -> No
         up._parse(["--rollouts", "0"])
     with pytest.raises(SystemExit):
         up._parse(["--engine-arg", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        up._parse(["--trainer-ranks", "0"])
