@@ -58,10 +58,10 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "home"
 
 
-def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
-    steps = 20
+def up_json(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``deltarl up --json ARGS`` in a process of its own, which must succeed."""
     proc = subprocess.run(
-        [sys.executable, "-m", "deltarl.cli", "up", "--steps", str(steps), "--json"],
+        [sys.executable, "-m", "deltarl.cli", "up", "--json", *args],
         capture_output=True,
         text=True,
         timeout=840,
@@ -69,6 +69,12 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
         env={**os.environ, "DELTARL_HOME": str(home)},
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
+    steps = 20
+    proc = up_json(home, "--steps", str(steps))
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout
     result = orjson.loads(lines[0])
@@ -210,15 +216,7 @@ TWO = ("--rollouts", "2", "--trainer-ranks", "2")
 
 def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
     steps = 6
-    proc = subprocess.run(
-        [sys.executable, "-m", "deltarl.cli", "up", "--json", "--steps", str(steps), *TWO],
-        capture_output=True,
-        text=True,
-        timeout=840,
-        check=False,
-        env={**os.environ, "DELTARL_HOME": str(home)},
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = up_json(home, "--steps", str(steps), *TWO)
     result = orjson.loads(proc.stdout.strip().splitlines()[-1])
     assert (result["rollouts"], result["trainer_ranks"]) == (2, 2)
     engines = {e["name"]: e for e in result["engines"]}

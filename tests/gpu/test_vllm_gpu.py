@@ -7,7 +7,6 @@ Skipped where there is no CUDA device (the reason is given); vLLM itself must im
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +24,15 @@ if not torch.cuda.is_available():
 
 from safetensors.torch import load_file  # noqa: E402 - after the skips
 
-from deltarl.engine.layout import Layout  # noqa: E402
 from deltarl.engine.weight_store import WeightStore  # noqa: E402
 from deltarl.rl.pretrained import ensure_model  # noqa: E402
 from deltarl.rollout.engine import FinishedGroup, VllmEngine, VllmEngineConfig  # noqa: E402
-from tests.rollout.test_vllm_engine import commit, perturbed, store_digest  # noqa: E402
+from tests.rollout.test_vllm_engine import (  # noqa: E402
+    bf16_store,
+    commit,
+    perturbed,
+    store_digest,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -50,12 +53,7 @@ def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def store(
     tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
 ) -> Iterator[WeightStore]:
-    layout = Layout.pack((n, "bfloat16", t.shape) for n, t in base_weights.items())
-    root = tmp_path_factory.mktemp("shm")
-    with WeightStore.create(f"gpu-{secrets.token_hex(4)}", layout, root=root) as s:
-        commit(s, base_weights, 0)
-        yield s
-        s.unlink()
+    yield from bf16_store(tmp_path_factory, base_weights, "gpu")
 
 
 @pytest.fixture(scope="module")

@@ -56,16 +56,24 @@ def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
+def bf16_store(
+    tmp_path_factory: pytest.TempPathFactory, weights: dict[str, torch.Tensor], prefix: str
+) -> Iterator[WeightStore]:
+    """A weight store of ``weights``' layout holding them as version 0, removed afterwards:
+    the body of each vLLM test module's ``store`` fixture."""
+    layout = Layout.pack((n, "bfloat16", t.shape) for n, t in weights.items())
+    root = tmp_path_factory.mktemp("shm")
+    with WeightStore.create(f"{prefix}-{secrets.token_hex(4)}", layout, root=root) as s:
+        commit(s, weights, 0)
+        yield s
+        s.unlink()
+
+
 @pytest.fixture(scope="module")
 def store(
     tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
 ) -> Iterator[WeightStore]:
-    layout = Layout.pack((n, "bfloat16", t.shape) for n, t in base_weights.items())
-    root = tmp_path_factory.mktemp("shm")
-    with WeightStore.create(f"rollout-{secrets.token_hex(4)}", layout, root=root) as s:
-        commit(s, base_weights, 0)
-        yield s
-        s.unlink()
+    yield from bf16_store(tmp_path_factory, base_weights, "rollout")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ gets one, so ``chat = "auto"`` renders prompts through it.
 
 from __future__ import annotations
 
-import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +23,18 @@ except Exception as exc:  # noqa: BLE001 - a broken install (e.g. CUDA torchvisi
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 from deltarl.rl.tiny_model import ensure_default_model
 from deltarl.rollout.engine import VllmEngine, VllmEngineConfig
 from deltarl.rollout.worker_ext import WeightVerificationError
-from tests.rollout.test_vllm_engine import _model_class, commit, perturbed, run, store_digest
+from tests.rollout.test_vllm_engine import (
+    _model_class,
+    bf16_store,
+    commit,
+    perturbed,
+    run,
+    store_digest,
+)
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -56,13 +61,7 @@ def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def store(
     tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
 ) -> Iterator[WeightStore]:
-    layout = Layout.pack((n, "bfloat16", t.shape) for n, t in base_weights.items())
-    with WeightStore.create(
-        f"fp32-{secrets.token_hex(4)}", layout, root=tmp_path_factory.mktemp("shm")
-    ) as s:
-        commit(s, base_weights, 0)
-        yield s
-        s.unlink()
+    yield from bf16_store(tmp_path_factory, base_weights, "fp32")
 
 
 @pytest.fixture(scope="module")
