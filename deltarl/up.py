@@ -302,10 +302,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _recorded(run: Run, step: int) -> bool:
-    """Whether the scheduler has recorded step ``step`` as done (the trainer's StepDone)."""
+    """Whether the scheduler has recorded step ``step`` as done (the trainer's StepDone), and
+    every held-out round it opened has finished: a round opened by the last step measures the
+    final policy, the figure a run is judged by, so the run waits for it."""
     history = run.history()
     rows = [] if history is None else [r for r in history.steps if int(r["step"]) == step]
-    return bool(rows) and rows[0].get("done_at") is not None
+    if not rows or rows[0].get("done_at") is None:
+        return False
+    return history is not None and all(e.get("finished") for e in history.evals)
 
 
 def prepare(args: argparse.Namespace) -> Run:
