@@ -158,7 +158,8 @@ def _cell(value: Any, digits: int = 3) -> str:  # noqa: ANN401 - a JSON value
 
 
 def format_history(history: History) -> str:
-    """One line per step: version, reward (the feedback signal), samples, lag, timings."""
+    """One line per step: version, reward (the feedback signal), samples, lag, timings, the
+    reward service's P99 and the held-out accuracy; a line of the held-out rounds, if any."""
     header = (
         "step",
         "trainer v",
@@ -171,6 +172,8 @@ def format_history(history: History) -> str:
         "gen s",
         "queue s",
         "step s",
+        "reward p99 s",
+        "eval acc",
         "ckpt",
     )
     rows = [header]
@@ -190,6 +193,8 @@ def format_history(history: History) -> str:
                 _cell(s.get("gen_s_mean")),
                 _cell(s.get("queue_s_mean")),
                 _cell(step_s),
+                _cell(s.get("reward_p99_s"), 4),
+                _cell(s.get("eval_accuracy")),
                 "yes" if s.get("checkpointed") else "no",
             )
         )
@@ -197,6 +202,19 @@ def format_history(history: History) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     if not history.steps:
         lines.append("(no steps yet)")
+    rounds = [e for e in history.evals if e.get("accuracy") is not None]
+    if rounds:
+        lines.append(
+            "held-out eval: "
+            + ", ".join(
+                f"step {e['step']} {e['accuracy']:.3f} (v{e.get('version_min')}"
+                + (f"-{e['version_max']}" if e.get("version_max") != e.get("version_min") else "")
+                + (", partial" if e.get("partial") else "")
+                + ("" if e.get("finished") else ", running")
+                + ")"
+                for e in rounds
+            )
+        )
     drops = {k: v for k, v in history.counters.items() if k.startswith("dropped_") and v}
     lines.append("drops: " + (", ".join(f"{k}={v}" for k, v in sorted(drops.items())) or "none"))
     return "\n".join(lines)

@@ -228,3 +228,23 @@ def test_config_path_precedence(tmp_path, monkeypatch):
 def test_to_is_only_for_rollback(capsys):
     assert ctl.main(["tcp://127.0.0.1:1", "pause", "--to", "3"]) == ctl.EXIT_USAGE
     assert "--to is only meaningful with rollback" in capsys.readouterr().err
+
+
+def test_history_table_shows_reward_latency_and_held_out_rounds() -> None:
+    from deltarl.rl.protocol import History  # noqa: PLC0415 - only this test needs it
+
+    steps = [
+        {"step": 1, "version": 1, "reward_mean": 0.25, "reward_p99_s": 0.0123},
+        {"step": 5, "version": 5, "reward_mean": 0.5, "eval_accuracy": 0.0546875},
+    ]
+    evals = [
+        {"step": 0, "accuracy": 0.0546875, "version_min": 0, "version_max": 0, "finished": True},
+        {"step": 5, "accuracy": 0.0625, "version_min": 5, "version_max": 6, "finished": False},
+    ]
+    lines = ctl.format_history(History({}, steps, {}, evals)).splitlines()
+    assert "reward p99 s" in lines[0]
+    assert "eval acc" in lines[0]
+    assert "0.0123" in lines[1]
+    assert "0.055" in lines[2]
+    assert lines[3] == "held-out eval: step 0 0.055 (v0), step 5 0.062 (v5-6, running)"
+    assert lines[4] == "drops: none"
