@@ -268,6 +268,8 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
             "checkpoint_every",
             "lr",
             "groups_per_step",
+            "ranks",
+            "threads",
         },
         "scheduler": {
             "control",
