@@ -46,7 +46,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 import torch
@@ -54,7 +54,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
-from deltarl.trainer.grpo import GRPOBatch
+from deltarl.trainer.grpo import GRPOBatch, GRPOConfig, StepStats, train_step
 
 if TYPE_CHECKING:
     from deltarl.config.rl import RLTrainerConfig
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OP_STOP, OP_STEP = 0, 1
-_HEADER = 6  # op, step, rows, columns, temperature, total tokens
 SPEC_NAME = "ranks.json"
 """The spec rank 0 writes into its checkpoint directory for the workers it starts."""
 
@@ -98,10 +97,39 @@ def reduce_gradients(params: list[nn.Parameter], sums: dict[str, float]) -> None
     sums.update(zip(keys, totals.tolist(), strict=True))
 
 
-def _header(op: int, step: int = 0, batch: GRPOBatch | None = None, temp: float = 1.0) -> Any:  # noqa: ANN401
+def _header(
+    op: int, step: int = 0, batch: GRPOBatch | None = None, temp: float = 1.0
+) -> torch.Tensor:
+    """What to do next: op, step, the batch's rows and columns, its temperature."""
     rows, cols = (0, 0) if batch is None else tuple(batch.input_ids.shape)
-    total = 0 if batch is None else batch.tokens
-    return torch.tensor([op, step, rows, cols, temp, total], dtype=torch.float64)
+    return torch.tensor([op, step, rows, cols, temp], dtype=torch.float64)
+
+
+def train_share(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: GRPOBatch,
+    config: GRPOConfig,
+    reference: nn.Module | None,
+    rank: int,
+    world: int,
+) -> StepStats:
+    """One data-parallel step of ``rank``: its share of the whole step's ``batch``, the loss
+    normalised by the whole batch's tokens, gradients and loss sums reduced over the group.
+    Every rank calls it with the same batch; the figures returned are the whole step's."""
+    start, stop = share(batch.size, rank, world)
+    stats = train_step(
+        model,
+        optimizer,
+        batch.rows(start, stop),
+        config,
+        reference,
+        total_tokens=batch.tokens,
+        reduce=reduce_gradients,
+    )
+    return dataclasses.replace(
+        stats, samples=batch.size, reward_mean=float(batch.rewards.mean().item())
+    )
 
 
 def broadcast_batch(batch: GRPOBatch) -> None:
@@ -203,11 +231,10 @@ class Workers:
         """Ranks running now, rank 0 included."""
         return 1 + sum(p.poll() is None for p in self.procs)
 
-    def step(self, step: int, batch: GRPOBatch, temperature: float) -> tuple[int, int]:
-        """Hand ``batch`` to every worker; the rows rank 0 trains itself."""
+    def step(self, step: int, batch: GRPOBatch, temperature: float) -> None:
+        """Hand ``batch`` to every worker (rank 0 then trains its own share: ``train_share``)."""
         dist.broadcast(_header(OP_STEP, step, batch, temperature), src=0)
         broadcast_batch(batch)
-        return share(batch.size, 0, self.world)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Tell the workers to exit and wait for them; kill what does not."""
@@ -244,8 +271,7 @@ def worker(spec_path: Path, rank: int) -> int:
     """Rank ``rank``: build the model as rank 0 does, join, then follow rank 0's steps."""
     from deltarl.config.rl import RLTrainerConfig  # noqa: PLC0415 - only workers need these
     from deltarl.config.tables import build  # noqa: PLC0415
-    from deltarl.trainer.grpo import GRPOConfig, train_step  # noqa: PLC0415
-    from deltarl.trainer.service import build_model  # noqa: PLC0415 - it imports this module
+    from deltarl.trainer.service import build_model, grpo_config  # noqa: PLC0415 - it imports this module
 
     _die_with_parent()
     spec = orjson.loads(spec_path.read_bytes())
@@ -258,22 +284,21 @@ def worker(spec_path: Path, rank: int) -> int:
     while True:
         header = _header(OP_STOP)
         dist.broadcast(header, src=0)
-        op, step, rows, cols, temperature, total = header.tolist()
+        op, step, rows, cols, temperature = header.tolist()
         if int(op) == OP_STOP:
             dist.destroy_process_group()
             return 0
         batch = receive_batch(int(rows), int(cols))
-        start, stop = share(int(rows), rank, int(spec["world"]))
-        train_step(
+        train_share(
             built.model,
             built.optimizer,
-            batch.rows(start, stop),
-            GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature),
+            batch,
+            grpo_config(cfg, temperature),
             built.reference,
-            total_tokens=int(total),
-            reduce=reduce_gradients,
+            rank,
+            int(spec["world"]),
         )
-        logger.info("rank %d: step %d, rows %d:%d", rank, int(step), start, stop)
+        logger.info("rank %d: step %d", rank, int(step))
 
 
 if __name__ == "__main__":

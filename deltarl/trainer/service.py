@@ -42,7 +42,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -57,7 +57,7 @@ from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
 from deltarl.trainer.grpo import BatchError, GRPOConfig, ScoredGroup, build_batch, train_step
 from deltarl.trainer.publisher import Publisher
-from deltarl.trainer.ranks import Workers, check_same_start, reduce_gradients
+from deltarl.trainer.ranks import Workers, check_same_start, train_share
 from deltarl.trainer.shipped import FetchBlobs, ShippedItem, fetch_groups, parse_items
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
@@ -138,6 +138,11 @@ def build_model(cfg: RLTrainerConfig) -> Built:
     return Built(model, optimizer, reference, checkpointer, found)
 
 
+def grpo_config(cfg: RLTrainerConfig, temperature: float) -> GRPOConfig:
+    """The GRPO settings of a step sampled at ``temperature``, the same on every rank."""
+    return GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature)
+
+
 class TrainerService(DaemonCore):
     """The training loop and its state; the process module adds the sockets."""
 
@@ -212,29 +217,15 @@ class TrainerService(DaemonCore):
             raise BatchError(f"the batch's temperature {temperature!r} is not positive")
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=cfg.pad_token_id)  # BatchError: nothing changed
-        grpo = GRPOConfig(
-            cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature
-        )
+        grpo = grpo_config(cfg, temperature)
         if self.workers is None:
             stats = train_step(self.model, self.optimizer, batch, grpo, self.reference)
         else:
             # A lost rank fails the collective here: the step is not taken, and the error
             # ends the daemon (R3 in deltarl/trainer/ranks.py).
-            start, stop = self.workers.step(step, batch, temperature)
-            stats = train_step(
-                self.model,
-                self.optimizer,
-                batch.rows(start, stop),
-                grpo,
-                self.reference,
-                total_tokens=batch.tokens,
-                reduce=reduce_gradients,
-            )
-            # The whole step's figures, not rank 0's share.
-            stats = replace(
-                stats,
-                samples=batch.size,
-                reward_mean=float(batch.rewards.mean().item()),
+            self.workers.step(step, batch, temperature)
+            stats = train_share(
+                self.model, self.optimizer, batch, grpo, self.reference, 0, cfg.ranks
             )
         t1 = time.perf_counter()
         self.publisher.publish(step)
