@@ -179,6 +179,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "link": link,
         },
     }
+    engine = _engine_table(run.profile.engine(), args.engine_args)
     for name in run.rollouts:
         # Every engine reads the one apply agent's store (a lease each while it loads a
         # version); the scheduler tells them apart by instance name.
@@ -190,7 +191,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "store_root": shm,
             "model_dir": str(model_dir),
             "max_running_groups": 2 * args.groups_per_step,
-            "engine": _engine_table(run.profile.engine(), args.engine_args),
+            "engine": engine,
         }
     write_toml(run.config, {"daemons": daemons})
 

@@ -77,16 +77,17 @@ def summarise(run: Run) -> dict[str, Any]:
     history = run.history()
     if history is None:
         raise SummaryError("the scheduler did not return the run history")
-    engines = {name: run.status(name) for name in run.rollouts}
-    silent = [name for name, st in engines.items() if st is None]
-    if silent:
+    answers = {name: run.status(name) for name in run.rollouts}
+    engines = {name: st for name, st in answers.items() if st is not None}
+    if len(engines) < len(answers):
+        silent = sorted(set(answers) - set(engines))
         raise SummaryError(f"{', '.join(silent)} did not answer status")
-    if run.status("export") is None:
+    export = run.status("export")
+    if export is None:
         raise SummaryError("the export agent did not answer status")
     rows = sorted(history.steps, key=lambda r: int(r["step"])) if history else []
     counters = dict(history.counters) if history else {}
-    rollout = engines["rollout"] or {}
-    export = run.status("export") or {}
+    rollout = engines["rollout"]
     refits: list[dict[str, Any]] = rollout.get("refits") or []
     # From the export agent taking a version out of the trainer's store to the engine holding
     # it, verified (both CLOCK_MONOTONIC, shared by every process on the host). Versions the
@@ -142,9 +143,9 @@ def summarise(run: Run) -> dict[str, Any]:
         "versions_applied": [int(r["version"]) for r in refits],
         "reward_first": _mean_reward(rows[:3]),
         "reward_last": _mean_reward(rows[-3:]),
-        "refit_median_s": round(statistics.median(totals), 6) if totals else float("nan"),
+        "refit_median_s": _median(totals),
         # Every engine's every load, when there are several.
-        "refit_bit_exact": all(bit_exact(st or {}) for st in engines.values()),
+        "refit_bit_exact": all(bit_exact(st) for st in engines.values()),
         "samples_trained": sum(int(r.get("samples") or 0) for r in rows),
         "duplicate_samples": duplicates,
         "max_policy_lag": max(lags, default=0),
@@ -178,11 +179,11 @@ def summarise(run: Run) -> dict[str, Any]:
         "engines": [
             {
                 "name": name,
-                "versions_applied": [int(r["version"]) for r in (st or {}).get("refits") or []],
-                "refit_median_s": _median(refit_seconds((st or {}).get("refits") or [])),
-                "bit_exact": bit_exact(st or {}),
-                "submitted_groups": int((st or {}).get("submitted_groups") or 0),
-                "generated_tokens": int((st or {}).get("generated_tokens") or 0),
+                "versions_applied": [int(r["version"]) for r in st.get("refits") or []],
+                "refit_median_s": _median(refit_seconds(st.get("refits") or [])),
+                "bit_exact": bit_exact(st),
+                "submitted_groups": int(st.get("submitted_groups") or 0),
+                "generated_tokens": int(st.get("generated_tokens") or 0),
             }
             for name, st in engines.items()
         ],
