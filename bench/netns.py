@@ -7,6 +7,13 @@ and CAP_SYS_ADMIN); ``netem`` is not used. Only addresses inside these namespace
 
 ``ShapedLink`` is a context manager; it also registers an atexit hook, and ``clean_stale``
 removes namespaces with the prefix whose creating process is gone (a crashed earlier run).
+
+``ThreeHosts``: the several-hosts test's network, three namespaces ``<PREFIX>-<pid>-ha``,
+``-hb`` and ``-hc``. A and B share a plain veth link (10.10.0.1 and 10.10.0.2, /24); B and C a
+tbf-shaped one (10.10.1.1 and 10.10.1.2, /24). B forwards between them, so C reaches A only
+through B and the shaped link, as a host in another region would. The addresses are those of
+the example configuration files (examples/several-hosts): they exist only inside these
+namespaces, so two runs at once do not collide and nothing outside is ever addressed.
 """
 
 from __future__ import annotations
@@ -154,6 +161,89 @@ class ShapedLink:
             atexit.unregister(self.down)
 
     def __enter__(self) -> ShapedLink:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def _shape(ns: str, dev: str, rate_mbit: float) -> None:
+    # burst: 10 ms at the rate, at least 32 KiB (tbf needs burst >= rate / HZ)
+    burst = max(32 << 10, int(rate_mbit * 1e6 / 8 / 100))
+    _run(IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", dev, "root", "tbf",
+         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+
+
+class ThreeHosts:
+    """Hosts A, B, C as namespaces: A - B plain, B - C shaped to ``rate_mbit``, B routing."""
+
+    def __init__(self, rate_mbit: float) -> None:
+        if rate_mbit <= 0:
+            raise ValueError(f"rate must be positive, got {rate_mbit}")
+        pid = os.getpid()
+        self.rate_mbit = rate_mbit
+        self.ns = {h: f"{PREFIX}-{pid}-h{h}" for h in "abc"}
+        tag = f"drh{pid % 100000}"
+        # veth ends: (namespace, device, address/24) for the A-B and B-C links
+        self._ab = (("a", f"{tag}ab", "10.10.0.1"), ("b", f"{tag}ba", "10.10.0.2"))
+        self._bc = (("b", f"{tag}bc", "10.10.1.1"), ("c", f"{tag}cb", "10.10.1.2"))
+        self._up = False
+
+    def exec_prefix(self, host: str) -> list[str]:
+        """The command prefix that runs a process on host ``a``, ``b`` or ``c``."""
+        return [IP, "netns", "exec", self.ns[host]]
+
+    def shaped_bytes(self) -> int:
+        """Bytes B's tbf qdisc has sent towards C (what crossed the shaped link that way)."""
+        ns, dev = self.ns["b"], self._bc[0][1]
+        out = _run(IP, "netns", "exec", ns, TC, "-s", "qdisc", "show", "dev", dev)
+        words = out.split()
+        return int(words[words.index("Sent") + 1])
+
+    def up(self) -> ThreeHosts:
+        why = check_privilege()
+        if why is not None:
+            raise NetnsError(why)
+        clean_stale()
+        atexit.register(self.down)
+        self._up = True
+        try:
+            for ns in self.ns.values():
+                _run(IP, "netns", "add", ns)
+                _run(IP, "-n", ns, "link", "set", "lo", "up")
+            for (h1, d1, a1), (h2, d2, a2) in (self._ab, self._bc):
+                _run(IP, "link", "add", d1, "type", "veth", "peer", "name", d2)
+                for host, dev, addr in ((h1, d1, a1), (h2, d2, a2)):
+                    _run(IP, "link", "set", dev, "netns", self.ns[host])
+                    _run(IP, "-n", self.ns[host], "addr", "add", f"{addr}/24", "dev", dev)
+                    _run(IP, "-n", self.ns[host], "link", "set", dev, "up")
+            for host, dev, _ in self._bc:  # both directions of B - C (acks too)
+                _shape(self.ns[host], dev, self.rate_mbit)
+            _run(IP, "-n", self.ns["a"], "route", "add", "10.10.1.0/24", "via", "10.10.0.2")
+            _run(IP, "-n", self.ns["c"], "route", "add", "10.10.0.0/24", "via", "10.10.1.1")
+            _run(IP, "netns", "exec", self.ns["b"], "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """Delete the namespaces (the veth pairs go with them); safe to call twice."""
+        if not self._up:
+            return
+        self._up = False
+        for ns in self.ns.values():
+            with contextlib.suppress(NetnsError, FileNotFoundError):
+                _run(IP, "netns", "delete", ns)
+        links = _run(IP, "-o", "link", "show")
+        for (_, dev, _), _peer in (self._ab, self._bc):
+            if dev in links:  # left in the root namespace by a failed set-up
+                with contextlib.suppress(NetnsError):
+                    _run(IP, "link", "delete", dev)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.down)
+
+    def __enter__(self) -> ThreeHosts:
         return self.up()
 
     def __exit__(self, *exc: object) -> None:

@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         "chaos", help="run the loop while SIGKILLing random daemons; check it", add_help=False
     )
     sub.add_parser("keys", help="make the CURVE keys for tcp:// control sockets", add_help=False)
+    sub.add_parser("model", help="build a model directory deltarl ships, once", add_help=False)
+    sub.add_parser(
+        "layout",
+        help="write a model's published layout (an apply agent's layout_file)",
+        add_help=False,
+    )
     for name, what in DAEMONS.items():
         sub.add_parser(name, help=what, add_help=False)
     args, rest = ap.parse_known_args(argv)
@@ -63,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.transport import curve  # noqa: PLC0415 - only when used
 
         return curve.main(rest)
+    if args.command == "model":
+        from deltarl import host_setup  # noqa: PLC0415 - only when used
+
+        return host_setup.model_main(rest)
+    if args.command == "layout":
+        from deltarl import host_setup  # noqa: PLC0415 - only when used
+
+        return host_setup.layout_main(rest)
     if args.command == "up":
         from deltarl import up  # noqa: PLC0415 - heavy imports only when used
 

@@ -53,18 +53,28 @@ class DaemonGroup:
         name: str,
         *,
         daemon: str | None = None,
+        table: str | None = None,
+        config: Path | None = None,
         args: Sequence[str] = (),
         prefix: Sequence[str] = (),
         own_session: bool = False,
     ) -> subprocess.Popen[bytes]:
-        """Start daemon ``name`` (``daemon``: the command, default ``name``; ``--name NAME`` is
-        passed when they differ). ``prefix`` runs it inside another command (``ip netns exec
-        ...``); ``own_session``: a Ctrl-C at the terminal does not reach it, so the caller can
-        stop the group in order."""
-        command = daemon or name
-        argv = [sys.executable, "-m", "deltarl.cli", command, "--config", str(self.config)]
-        if command != name:
-            argv += ["--name", name]
+        """Start daemon ``name`` (``daemon``: the command, default ``name``) from its table
+        ``[daemons.TABLE]`` (default ``name``; ``--name TABLE`` is passed when it is not the
+        command) of ``config`` (default: the group's file, one for every daemon). ``prefix``
+        runs it inside another command (``ip netns exec ...``); ``own_session``: a Ctrl-C at
+        the terminal does not reach it, so the caller can stop the group in order."""
+        command, table = daemon or name, table or name
+        argv = [
+            sys.executable,
+            "-m",
+            "deltarl.cli",
+            command,
+            "--config",
+            str(config or self.config),
+        ]
+        if command != table:
+            argv += ["--name", table]
         with self.log(name).open("ab") as log:
             proc = subprocess.Popen(  # noqa: S603 - our own entry point
                 [*prefix, *argv, *args],

@@ -323,7 +323,7 @@ def prepare(args: argparse.Namespace) -> Run:
     profile = PROFILES[args.model]
     run = Run(directory.resolve(), shm, args.steps, profile, args.rollouts)
     run.task = args.task
-    write_config(run, profile.model_dir(default_home()), args)
+    write_config(run, profile.model_dir(default_home() / "models"), args)
     return run
 
 

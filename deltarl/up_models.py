@@ -79,15 +79,15 @@ class Profile:
             table.setdefault("threads", max(1, (os.cpu_count() or 2) // 2 // ranks))
         return table
 
-    def model_dir(self, home: Path) -> Path:
-        """The model's directory under ``home/models``, built on first use."""
+    def model_dir(self, root: Path) -> Path:
+        """The model's directory under ``root``, built on first use."""
         if self.name == "tiny":
             from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415 - heavy
 
-            return ensure_default_model(home / "models")
+            return ensure_default_model(root)
         from deltarl.rl.pretrained import ensure_model  # noqa: PLC0415 - heavy
 
-        return ensure_model(self.name, home / "models")
+        return ensure_model(self.name, root)
 
 
 PROFILES = {
