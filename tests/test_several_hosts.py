@@ -279,3 +279,13 @@ def test_three_hosts_train_and_prove_every_engine(cluster: Cluster) -> None:
                 f"host {host}: refit median {statistics.median(seconds):.3f} s "
                 f"over {len(seconds)} versions (export pick-up to the engine, verified)"
             )
+
+
+def test_each_hosts_files_make_one_configuration() -> None:
+    """The README's ``cat host-X/*.toml > /etc/deltarl/deltarl.toml``: a host's files hold
+    distinct tables, so together they are one valid file with every daemon of the host."""
+    for host in "abc":
+        files = sorted((EXAMPLES / f"host-{host}").glob("*.toml"))
+        merged = tomllib.loads("\n".join(f.read_text() for f in files))
+        expected = {table for h, table, _ in DAEMONS if h == host}
+        assert set(merged["daemons"]) == expected, (host, files)
