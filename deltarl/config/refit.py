@@ -122,6 +122,10 @@ class ApplyConfig(DaemonTable):
     relay: tuple[RelayTarget, ...] = ()
     """Further apply agents this one relays every chunk to (``[[daemons.apply.relay]]``
     tables); see deltarl/refit/relay.py."""
+    lease_bound_s: float = 10.0
+    """The longest a version waits for readers (engines loading) still leasing the buffer it
+    must be written into; past it their leases are revoked, and each reader learns it and
+    loads again (weight_store.py, I4). Never a wait on the slowest reader without end."""
     stalled_job_s: float = 30.0
     """A version being applied that has received nothing for this long no longer makes older
     versions wait: they may replace it. A version is proven only by its manifest, which comes
@@ -130,4 +134,4 @@ class ApplyConfig(DaemonTable):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        positive(self, "heartbeat_s", "layout_wait_s", "stalled_job_s")
+        positive(self, "heartbeat_s", "layout_wait_s", "stalled_job_s", "lease_bound_s")

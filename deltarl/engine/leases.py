@@ -69,6 +69,11 @@ _MAX_SLEEP_S = 5e-3
 Holder = Literal["none", "shared", "exclusive"]
 
 
+class LeaseRevoked(RuntimeError):  # noqa: N818 - reads as what happened
+    """The writer revoked a lease its reader held past the writer's bound (I4 in
+    weight_store.py): what the reader read from it may be torn and must be discarded."""
+
+
 class LeaseTimeout(TimeoutError):  # noqa: N818 - the name is part of the store's API
     """A lock on a weight-store segment was not granted within the caller's timeout."""
 
@@ -181,6 +186,7 @@ def take_lease(
                     generation=word >> 1,
                     version=version,
                     digest=pointer.digest(index),
+                    pointer=pointer,
                 )
             unlock(fd, LOCK_BUFFER[index])
             continue  # a flip raced us: retry at once
@@ -212,6 +218,7 @@ class Snapshot:
         generation: int,
         version: int,
         digest: str | None = None,
+        pointer: VersionPointer | None = None,
     ) -> None:
         self.version = version
         self.digest = digest
@@ -220,8 +227,36 @@ class Snapshot:
         self.generation = generation  # of the pointer word when the lease was taken
         self.layout = layout
         self._buffer = buffer
+        self._fd = fd
+        self._pointer = pointer
+        # Taken under the lease: a writer that revokes it (I4) increases the count first.
+        self._revocations = None if pointer is None else pointer.revocations(index)
         # Closing the fd drops the SHARED lock; the finalizer also ends a forgotten lease.
         self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @property
+    def revoked(self) -> bool:
+        """Whether the writer revoked this lease (I4): the reader fell behind the writer's
+        lease bound, and the buffer may have been overwritten while it read. Ask after the
+        last read, before trusting it; a revoked read is discarded, never used.
+
+        The count is read after a system call on the lease's fd (a lock probe), which orders
+        this read after the buffer reads before it, as the writer's revocation is ordered
+        before its first write by the lock calls between them."""
+        if self._pointer is None or self._revocations is None:
+            return False
+        if self.released:
+            raise RuntimeError(f"the lease on version {self.version} was released")
+        holder(self._fd, LOCK_BUFFER[self.index])  # the fence: a system call
+        return self._pointer.revocations(self.index) != self._revocations
+
+    def check_not_revoked(self) -> None:
+        """LeaseRevoked if the writer revoked this lease."""
+        if self.revoked:
+            raise LeaseRevoked(
+                f"the lease on version {self.version} (buffer {self.index}) was revoked: this "
+                f"reader held it past the writer's lease bound, so what it read is discarded"
+            )
 
     @property
     def released(self) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 POINTER_WORD = 24  # byte 192
 META_WORDS: tuple[int, int] = (32, 40)  # bytes 256 and 320: [state, version] of each buffer
 DIGEST_OFFSET = 2  # then [digest high, digest low, digest set] on the same cache line
+REVOKED_OFFSET = 5  # then the buffer's lease revocations (I4 in weight_store.py)
 
 
 class BufferState(enum.IntEnum):
@@ -103,6 +104,18 @@ class VersionPointer:
         if not int(self._words[at + 2]):
             return None
         return f"{int(self._words[at]) << 64 | int(self._words[at + 1]):032x}"
+
+    def revocations(self, index: int) -> int:
+        """How many times the writer revoked the leases on buffer ``index`` (zero in a segment
+        of an older deltarl, whose word was unused)."""
+        return int(self._words[META_WORDS[index] + REVOKED_OFFSET])
+
+    def revoke(self, index: int) -> int:
+        """Revoke every lease on buffer ``index`` (I4): readers holding one see the count
+        change and discard what they read. Caller holds the writer lock; the new count."""
+        count = self.revocations(index) + 1
+        self._words[META_WORDS[index] + REVOKED_OFFSET] = np.uint64(count)
+        return count
 
     def active_version(self) -> int | None:
         """The active version without any lock: a hint, consistent with one moment in time."""

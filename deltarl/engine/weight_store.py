@@ -12,11 +12,12 @@ Protocol (the contract between the writer and the readers):
     1. read the pointer: (generation, idx)  1. EXCLUSIVE on the writer byte (one writer)
        generation 0: nothing to read        2. target = the buffer the pointer does not name;
     2. SHARED on buffer idx's byte             EXCLUSIVE on its byte, waiting (with a timeout)
-    3. re-read the pointer; if it changed,     until readers of an older version let it go
-       release and start again              3. mark target WRITING before the first writable
-    4. buffer idx and its metadata are         view is handed out (a crash leaves WRITING)
-       frozen until the lease is released   4. commit: version, READY, flip the pointer with
-                                               one aligned 8-byte store; release the locks
+    3. re-read the pointer; if it changed,     until readers of an older version let it go;
+       release and start again                 or, with ``revoke``, revoke their leases (I4)
+    4. buffer idx and its metadata are      3. mark target WRITING before the first writable
+       frozen until the lease is released,     view is handed out (a crash leaves WRITING)
+       unless it is revoked: check          4. commit: version, READY, flip the pointer with
+       ``Snapshot.revoked`` after reading      one aligned 8-byte store; release the locks
 
 Invariants (each is kept where its comment says "I1".."I3"):
 - I1: the pointer names a READY buffer or nothing. Commit marks READY before the flip; rollback
@@ -26,6 +27,12 @@ Invariants (each is kept where its comment says "I1".."I3"):
   So a leased buffer is frozen, and so is its version.
 - I3: the pointer changes only under the writer lock, and its generation grows at every change,
   so a reader that sees the same word twice knows no flip happened in between (no ABA).
+- I4: a writer that will not wait longer for a buffer's readers (``begin_write(revoke=True)``:
+  its lease bound has passed) first increases that buffer's revocation count, then writes it
+  without the EXCLUSIVE lock. A reader compares the count with the one it leased under
+  (``Snapshot.revoked``) after its last read and discards the read if it changed. So the
+  writer never waits on the slowest reader past its bound, a reader that fell behind is told,
+  and nobody uses torn bytes. I2 holds for every buffer whose leases were not revoked.
 
 Memory ordering: the pointer and metadata are single aligned 8-byte loads and stores through a
 numpy uint64 view (numpy's aligned scalar get/set compiles to one mov), atomic on x86-64 and
@@ -55,6 +62,7 @@ from deltarl.engine.leases import (
     LOCK_ATTACH,
     LOCK_BUFFER,
     LOCK_WRITER,
+    LeaseRevoked,
     LeaseTimeout,
     NoVersionError,
     Snapshot,
@@ -78,6 +86,7 @@ from deltarl.ownership import GROUP_OTHER_WRITE, UnsafePathError, check_file, ch
 
 __all__ = [
     "BufferState",
+    "LeaseRevoked",
     "LeaseTimeout",
     "NoVersionError",
     "RollbackError",
@@ -304,33 +313,51 @@ class WeightStore:
 
     # ---- the writer ---------------------------------------------------------------------
 
-    def begin_write(self, timeout: float | None = 10.0) -> WriteTxn:
+    def begin_write(self, timeout: float | None = 10.0, *, revoke: bool = False) -> WriteTxn:
         """Start writing the inactive buffer: the one transaction of this segment until it ends.
 
         Waits at most ``timeout`` seconds in all: for another writer (WriterBusy), then for
-        readers still leasing the inactive buffer's older version (LeaseTimeout).
+        readers still leasing the inactive buffer's older version (LeaseTimeout; with
+        ``revoke``, their leases are revoked instead (I4) and ``WriteTxn.revoked`` says so).
         """
         fd = self._reopen(os.O_RDWR)
         try:
-            return self._begin_through(fd, timeout)
+            return self._begin_through(fd, timeout, revoke)
         except BaseException:
             os.close(fd)  # drops whatever locks were taken
             raise
 
-    def _begin_through(self, fd: int, timeout: float | None) -> WriteTxn:
+    def _begin_through(self, fd: int, timeout: float | None, revoke: bool) -> WriteTxn:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._take_writer_lock(fd, timeout, "begin a write")
         pointer = self._pointer
         active = VersionPointer.active_index(pointer.load())
         target = 0 if active is None else 1 - active  # I1: never the active buffer
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        revoked = False
         if not leases.wait_lock(fd, LOCK_BUFFER[target], exclusive=True, timeout=left):
-            raise LeaseTimeout(
-                f"weight store {self.name!r}: buffer {target} (version "
-                f"{pointer.ready_version(target)}) is still leased by a reader after "
-                f"{timeout:.2f} s; the writer never overwrites a leased buffer, so readers "
-                f"must release their leases on old versions"
+            if not revoke:
+                raise LeaseTimeout(
+                    f"weight store {self.name!r}: buffer {target} (version "
+                    f"{pointer.ready_version(target)}) is still leased by a reader after "
+                    f"{timeout:.2f} s; the writer never overwrites a leased buffer, so readers "
+                    f"must release their leases on old versions"
+                )
+            # I4: the count first; the lock calls of this transaction order it before the
+            # first write, and a reader checks it after its last read.
+            count = pointer.revoke(target)
+            leases.holder(fd, LOCK_BUFFER[target])  # a system call: the fence
+            logger.warning(
+                "weight store %s: buffer %d (version %s) was still leased after %.2f s: its "
+                "leases are revoked (revocation %d); their readers discard what they read "
+                "and load the newest version",
+                self.name,
+                target,
+                pointer.ready_version(target),
+                timeout,
+                count,
             )
+            revoked = True
         if pointer.state(target) is BufferState.WRITING:
             logger.warning(
                 "weight store %s: a writer died while writing buffer %d; its contents are "
@@ -338,7 +365,7 @@ class WeightStore:
                 self.path,
                 target,
             )
-            pointer.mark(target, BufferState.EMPTY)  # I2: we hold its EXCLUSIVE lock
+            pointer.mark(target, BufferState.EMPTY)  # I2 (or I4: its leases are revoked)
         return WriteTxn(
             name=self.name,
             layout=self.layout,
@@ -349,6 +376,7 @@ class WeightStore:
             active_index=active,
             base_version=pointer.ready_version(target),
             fd=fd,
+            revoked=revoked,
         )
 
     def _take_writer_lock(self, fd: int, timeout: float | None, what: str) -> None:

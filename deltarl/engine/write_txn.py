@@ -54,8 +54,11 @@ class WriteTxn:
         active_index: int | None,
         base_version: int | None,
         fd: int,
+        revoked: bool = False,
     ) -> None:
         self.name = name
+        self.revoked = revoked
+        """Whether the target's leases were revoked to start this transaction (I4)."""
         self.layout = layout
         self.index = index  # the target buffer
         self._pointer = pointer

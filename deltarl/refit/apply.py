@@ -146,6 +146,7 @@ class ApplyCore(DaemonCore):
         self.failures = 0
         self.applied = 0
         self.refused = 0
+        self.revoked_leases = 0  # writes that revoked a lagging engine's lease (I4)
         self.refused_items = 0  # chunks and manifests refused before any use (counted, logged)
         self.seal_failures = 0  # of those, manifests whose seal did not hold (forged?)
         # version -> chunk id -> why it was refused: a version whose manifest lists one of
@@ -333,12 +334,19 @@ class ApplyCore(DaemonCore):
             return None
         opened = time.monotonic()
         try:
-            txn = await asyncio.to_thread(self.store.begin_write, 10.0)
+            # An engine still loading from the buffer to be written gets lease_bound_s; past
+            # it its lease is revoked (I4 in weight_store.py): it is told, discards that load
+            # and loads the newest version, and this version is not lost waiting for it.
+            txn = await asyncio.to_thread(
+                self.store.begin_write, self.config.lease_bound_s, revoke=True
+            )
         except LeaseTimeout as e:
-            # Tolerated: a reader kept the inactive buffer (or another writer the lock); this
-            # version is lost, the active one stays, and the export agent sends a full one.
+            # Another writer kept the write lock (a rollback in flight): this version is
+            # lost, the active one stays, and the export agent sends a full one.
             await self._fail(version, str(e), base=base, slot=slot)
             return None
+        if txn.revoked:
+            self.revoked_leases += 1
         if base is not None and txn.base_version != base:
             # The target buffer holds an older version: start it from the active one.
             await asyncio.to_thread(txn.copy_from_active)
@@ -507,6 +515,7 @@ class ApplyCore(DaemonCore):
             "last_failed": None if failed is None else {"version": failed[0], "reason": failed[1]},
             "applied": self.applied,
             "refused": self.refused,
+            "revoked_leases": self.revoked_leases,
             "refused_items": self.refused_items,
             "seal_failures": self.seal_failures,
             "sealed": self.mac_key is not None,

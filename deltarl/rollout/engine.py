@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from deltarl.engine.leases import LeaseRevoked
 from deltarl.rollout.worker_ext import QUALNAME
 
 if TYPE_CHECKING:
@@ -455,6 +456,12 @@ class VllmEngine:
             "deltarl_load_version",
             args=(store_name, None if root is None else str(root), version, changed),
         )
+        if any(r.get("revoked") for r in reports):
+            # A worker's load outlasted the apply agent's lease bound (I4 in weight_store.py).
+            raise LeaseRevoked(
+                f"the lease on version {reports[0]['version']} was revoked while loading it: "
+                f"this engine fell behind the apply agent's lease bound, the load is discarded"
+            )
         digests = {r["digest"] for r in reports}
         versions = {r["version"] for r in reports}
         if len(digests) != 1 or len(versions) != 1:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
-from deltarl.engine.weight_store import WeightStore
+from deltarl.engine.weight_store import LeaseRevoked, WeightStore
 from deltarl.reward.protocol import REWARD_UNAVAILABLE
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
 from deltarl.rl.samples import Group, Sample, SampleError, encode_group
@@ -109,6 +109,7 @@ class RolloutService(DaemonCore):
         # end before close() tears the engine down.
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
         self.refit_errors = 0
+        self.revoked_loads = 0  # loads the apply agent revoked: this engine fell behind
         self.failed_groups = 0
         self._last_digest: str | None = None  # what the engine reported at its last load
 
@@ -152,6 +153,10 @@ class RolloutService(DaemonCore):
         active = self.store.active_version
         if active is not None and active != self.engine_version:
             await self._refit(active)
+            if self.engine_version is None:
+                # What the engine holds is unknown (a failed or revoked load): not one step
+                # on it, not even for the groups in flight; the next round loads again.
+                return
         waiting_for_sync = self.sync_to is not None and (self.engine_version or 0) < self.sync_to
         room = self.config.max_running_groups - len(self.in_flight)
         taking = not self.gate.paused and not self.draining and self.unverified is None
@@ -334,6 +339,15 @@ class RolloutService(DaemonCore):
             result = await self._call(
                 self.engine.update_weights, self.config.rollout_store, root, None
             )
+        except LeaseRevoked as e:
+            # Fell behind (I4 in weight_store.py): the apply agent did not wait for this load
+            # past its bound. Nothing generates on it; the loop loads the newest version now.
+            self.revoked_loads += 1
+            self.engine_version = None
+            self._last_digest = None
+            self.unverified = str(e)
+            logger.warning("%s; loading the newest version", e)
+            return
         except Exception as e:
             # What the engine holds is unknown now: generate nothing, and load again next
             # round (engine_version None makes the loop retry).
@@ -457,6 +471,7 @@ class RolloutService(DaemonCore):
             "mismatches": self.mismatches,
             "unverified": self.unverified,
             "refit_errors": self.refit_errors,
+            "revoked_loads": self.revoked_loads,
             "failed_groups": self.failed_groups,
             "detail": self.activity,
         }

@@ -167,7 +167,22 @@ class DeltaWorkerExtension:
                     )
             t_load = time.perf_counter()
             digests = {name: consumed.get(name) or (previous or {})[name] for name in names}
-            readback = self._deltarl_readback(snap)
+            try:
+                readback = self._deltarl_readback(snap)
+            except WeightVerificationError:
+                if not snap.revoked:
+                    raise
+                readback = 0  # the store changed under the read-back: told below
+            if snap.revoked:
+                # This load outlasted the apply agent's lease bound, which then wrote into
+                # the buffer (I4 in weight_store.py): what the engine took may be torn. Its
+                # weights are unknown (the next load hands over everything); the caller is
+                # told, and loads the newest version.
+                logger.warning(
+                    "the lease on version %d was revoked during the load: discarded",
+                    snap.version,
+                )
+                return {"version": snap.version, "revoked": True, "digest": None}
             self._deltarl_digests = digests
             self._deltarl_version = snap.version
             version = snap.version

@@ -38,6 +38,7 @@ def fault_tables(
     chunk_bytes: int = 4 << 20,
     ack_timeout_s: float = 20.0,
     steps: int = 0,
+    lease_bound_s: float = 10.0,
 ) -> dict[str, Any]:
     """Trainer, export and apply on the stream link; the export agent connects to
     ``export_port`` (a proxy, or ``apply_port`` itself), the apply agent listens on
@@ -48,7 +49,7 @@ def fault_tables(
             port, compress=compress, connections=2, ack_timeout_s=10.0, backoff_max_s=0.5
         )
 
-    return refit_tables(
+    tables = refit_tables(
         tmp,
         export_link=link(export_port),
         apply_link=link(apply_port),
@@ -59,6 +60,8 @@ def fault_tables(
             "ack_timeout_s": ack_timeout_s,
         },
     )
+    tables["daemons"]["apply"]["lease_bound_s"] = lease_bound_s
+    return tables
 
 
 class FaultPipeline(Pipeline):
@@ -149,7 +152,7 @@ def reader_main(tmp: Path, out: Path, stop_file: Path) -> None:
     from deltarl.engine.weight_store import LeaseTimeout, NoVersionError  # noqa: PLC0415
 
     store, manifests = _open(tmp, time.monotonic() + 120)
-    checks, mismatches, unverified, timeouts = 0, [], [], 0
+    checks, mismatches, unverified, timeouts, revoked = 0, [], [], 0, 0
     versions: set[int] = set()
     expected: dict[int, list[str] | None] = {}
     while not stop_file.exists():
@@ -157,6 +160,9 @@ def reader_main(tmp: Path, out: Path, stop_file: Path) -> None:
             with store.lease(timeout=2.0) as snap:
                 version = snap.version
                 got = tensor_digests(store.layout, snap.buffer)
+                if snap.revoked:  # I4: a read the writer overwrote is discarded, never used
+                    revoked += 1
+                    continue
         except NoVersionError:
             time.sleep(0.02)
             continue
@@ -180,12 +186,14 @@ def reader_main(tmp: Path, out: Path, stop_file: Path) -> None:
         "mismatches": mismatches,
         "unverified": unverified,
         "lease_timeouts": timeouts,
+        "revoked": revoked,
     }
     out.write_bytes(orjson.dumps(result))
 
 
-def hold_main(tmp: Path, out: Path, seconds: float) -> None:
-    """Lease the active version for ``seconds``, noting the rollout store's active version
+def hold_main(tmp: Path, out: Path, seconds: float, until_revoked: bool = False) -> None:
+    """Lease the active version for ``seconds`` (``until_revoked``: or until the writer
+    revokes the lease, whichever comes first), noting the rollout store's active version
     (an unlocked hint) every 20 ms meanwhile, and the trainer's published version at the end;
     digests at the start and at the end. Writes ``out.with_suffix('.held')`` once the lease is
     taken, and the result at the end."""
@@ -200,12 +208,13 @@ def hold_main(tmp: Path, out: Path, seconds: float) -> None:
         start = tensor_digests(store.layout, snap.buffer)
         out.with_suffix(".held").write_bytes(orjson.dumps({"version": version}))
         end_at = time.monotonic() + seconds
-        while time.monotonic() < end_at:
+        while time.monotonic() < end_at and not (until_revoked and snap.revoked):
             seen.append(store.active_version)
             time.sleep(0.02)
         published_at_end = published.active_version
         end = tensor_digests(store.layout, snap.buffer)
         still = snap.version
+        revoked = snap.revoked
     want = _expected(manifests, version)
     result = {
         "version": version,
@@ -214,6 +223,7 @@ def hold_main(tmp: Path, out: Path, seconds: float) -> None:
         "end": end,
         "active_seen": seen,
         "published_at_end": published_at_end,
+        "revoked": revoked,
     }
     out.write_bytes(orjson.dumps({**result, "manifest": want}))
 
@@ -339,7 +349,7 @@ def main(argv: list[str]) -> int:
     if mode == "reader":
         reader_main(tmp, out, Path(stop))
     elif mode == "hold":
-        hold_main(tmp, out, float(argv[4]))
+        hold_main(tmp, out, float(argv[4]), until_revoked=argv[5:6] == ["until-revoked"])
     else:
         print(f"unknown mode {mode!r}", file=sys.stderr)
         return 2

@@ -211,6 +211,7 @@ def test_a_held_lease_is_never_overwritten(tmp_path: Path) -> None:
         held = result["version"]
         assert result["version_at_end"] == held
         assert result["start"] == result["end"] == result["manifest"], "the held bytes changed"
+        assert result["revoked"] is False  # 2 s: within the apply agent's 10 s lease bound
         # Versions kept coming during the hold, yet one flip past the held version at most:
         # the next write would go into its buffer, so the apply agent waited.
         assert result["published_at_end"] >= held + 2, result["published_at_end"]
@@ -221,6 +222,33 @@ def test_a_held_lease_is_never_overwritten(tmp_path: Path) -> None:
             lambda: pipe.status("apply")["active_version"] >= held + 2,
         )
         assert pipe.status("apply")["last_failed"] is None, pipe.status("apply")
+        finish(pipe, reader)
+
+
+@pytest.mark.timeout(90)
+def test_a_lease_held_past_the_bound_is_revoked_not_waited_for(tmp_path: Path) -> None:
+    """A reader that falls behind (holds its lease past a 1 s bound) is told, not waited
+    for: the apply agent revokes its lease and goes on activating versions, none is lost,
+    and the reader learns its snapshot was revoked (so it discards what it read)."""
+    pipe = FaultPipeline(tmp_path, params=200_000, interval_s=0.2, lease_bound_s=1.0)
+    with running(pipe) as reader:
+        pipe.wait("3 versions applied", lambda: pipe.status("apply")["applied"] >= 3)
+        hold = Helper("hold", tmp_path, "30.0", "until-revoked")
+        try:
+            result = hold.result(timeout=60)
+        finally:
+            hold.kill()
+        held = result["version"]
+        assert result["start"] == result["manifest"], "the lease began on whole bytes"
+        assert result["revoked"] is True, result
+        # The agent went on past the one flip a waiting agent allows.
+        pipe.wait(
+            "the apply agent past the held version's buffer",
+            lambda: pipe.status("apply")["active_version"] >= held + 2,
+        )
+        status = pipe.status("apply")
+        assert status["revoked_leases"] >= 1, status
+        assert status["last_failed"] is None, status
         finish(pipe, reader)
 
 

@@ -517,6 +517,50 @@ def test_sigkilled_reader_leaves_no_lease(store: WeightStore, spawn) -> None:
     assert store.active_version == 3
 
 
+LAGGING_READER = """
+s = WeightStore.open("w", root=root, readonly=True)
+snap = s.lease()
+first = int(snap.buffer.view(np.uint64)[0])
+say(f"leased {snap.version}")
+sys.stdin.readline()  # fell behind: the writer's bound passes meanwhile
+last = int(snap.buffer.view(np.uint64)[-1])
+say(json.dumps({"revoked": snap.revoked, "torn": first != last}))
+try:
+    snap.check_not_revoked()
+except Exception as e:
+    say(type(e).__name__)
+snap.release()
+with s.lease() as fresh:
+    say(json.dumps({"version": fresh.version, "revoked": fresh.revoked}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_lagging_reader_is_revoked_and_told_not_waited_for(
+    store: WeightStore, spawn, caplog: pytest.LogCaptureFixture
+) -> None:
+    """I4: past its bound the writer revokes the lease instead of losing the version; the
+    reader, which read across the overwrite, learns it and discards the read. A lease on the
+    active buffer is never revoked, and a fresh lease after it is whole."""
+    commit_pattern(store, 1)
+    reader = spawn(LAGGING_READER)
+    expect(reader, "leased 1")
+    commit_pattern(store, 2)  # buffer 1
+    with store.lease() as current:  # on buffer 1: the writer does not touch it
+        with caplog.at_level(logging.WARNING), store.begin_write(0.3, revoke=True) as txn:
+            assert txn.revoked
+            fill(txn.buffer, 3)  # into buffer 0, under the lagging reader's lease
+            txn.commit(3)
+        assert not current.revoked
+    assert "leases are revoked" in caplog.text
+    tell(reader, "go")
+    told = json.loads(reader.stdout.readline())
+    assert told == {"revoked": True, "torn": True}, told
+    expect(reader, "LeaseRevoked")
+    assert json.loads(reader.stdout.readline()) == {"version": 3, "revoked": False}
+    assert reader.wait(10) == 0
+
+
 DYING_WRITER = """
 s = WeightStore.open("w", root=root)
 txn = s.begin_write(timeout=5)

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from deltarl.codecs.checksum import model_digest, tensor_digests
 from deltarl.engine.layout import Layout
-from deltarl.engine.weight_store import WeightStore
+from deltarl.engine.weight_store import LeaseRevoked, WeightStore
 from deltarl.rl.tiny_model import ensure_default_model
 from deltarl.rollout.engine import FinishedGroup, VllmEngine, VllmEngineConfig
 from deltarl.rollout.worker_ext import WeightVerificationError, layer_key, tensors_to_load
@@ -378,6 +378,42 @@ def test_a_tensor_the_loader_never_pulls_fails_the_update(
     # the weights are unknown now: the next load hands over everything, and verifies
     report = engine.update_weights(store.name, store.path.parent, version)
     assert report["tensors"] == report["total"]
+    assert report["digest"] == store_digest(store)
+
+
+def test_a_load_revoked_by_the_writer_is_discarded_and_the_next_load_is_whole(
+    engine: VllmEngine, store: WeightStore, base_weights: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """I4 of the weight store: this engine's load outlasts the apply agent's lease bound, so
+    the writer revokes its lease and overwrites the buffer under it. The engine is told
+    (LeaseRevoked), keeps none of it as proven, and its next load hands over everything."""
+    cls = _model_class(engine)
+    original = cls.load_weights
+    revoked: list[bool] = []
+
+    def outlasts_the_bound(self: object, weights: Iterator) -> object:
+        loaded = original(self, weights)
+        # Meanwhile the apply agent writes one version into the free buffer, then the next
+        # into the one this load leases: its bound (here 50 ms) passes, it revokes.
+        commit(store, perturbed(base_weights, seed=11, scale=0.05))
+        with store.begin_write(0.05, revoke=True) as txn:
+            revoked.append(txn.revoked)
+            for name, tensor in perturbed(base_weights, seed=12, scale=0.05).items():
+                txn.array(name)[:] = tensor.contiguous().view(torch.uint16).numpy().reshape(-1)
+            txn.commit(store.active_version + 1)
+        return loaded
+
+    held = engine.version
+    commit(store, perturbed(base_weights, seed=10, scale=0.05))
+    monkeypatch.setattr(cls, "load_weights", outlasts_the_bound)
+    with pytest.raises(LeaseRevoked, match="fell behind"):
+        engine.update_weights(store.name, store.path.parent, only_changed=False)
+    assert revoked == [True]
+    assert engine.version == held
+    monkeypatch.undo()
+    report = engine.update_weights(store.name, store.path.parent)
+    assert report["version"] == store.active_version
+    assert report["tensors"] == report["total"]  # nothing of the revoked load is trusted
     assert report["digest"] == store_digest(store)
 
 
