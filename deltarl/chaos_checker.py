@@ -131,6 +131,10 @@ class StoreChecker:
                 # Hashed at every lease, not once per version: bytes that change under a
                 # version (written behind the store's back) must be seen too.
                 got = model_digest(tensor_digests(store.layout, snap.buffer))
+                if snap.revoked:
+                    # I4: this read outlasted the apply agent's lease bound and the buffer
+                    # was rewritten under it; the store promises nothing about such a read.
+                    return
         except (NoVersionError, LeaseTimeout):
             return
         self.found.leases += 1
