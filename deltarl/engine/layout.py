@@ -129,6 +129,9 @@ class Layout:
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._index  # type: ignore[attr-defined]
+
     def index(self, name: str) -> int:
         """The tensor id of ``name``: its position in the layout, as frames carry it."""
         try:

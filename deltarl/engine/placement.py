@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +249,32 @@ class PlacementMap:
                 f"{trainer_name}: range [{start}, {stop}) is outside its {numel} elements"
             )
         return self.translate(trainer_name, np.arange(start, stop, dtype=np.int64), values)
+
+    def assemble(
+        self, rank: int, infer_name: str, trainer_tensor: Callable[[str], np.ndarray]
+    ) -> np.ndarray:
+        """Inference tensor ``infer_name`` of ``rank``, built from the trainer tensors.
+
+        ``trainer_tensor(name)`` gives one trainer tensor (any shape of its elements: it is
+        read as rows x columns); only the rectangles that feed this rank are read and copied,
+        so no other rank's part is materialised. The result has the inference tensor's shape
+        and the trainer tensors' dtype: what a rank holding it must hold, bit for bit.
+        """
+        self._check_rank(rank)
+        spec = self._inference.spec(infer_name)
+        out: np.ndarray | None = None
+        for name in self.sources(rank, infer_name):
+            src = trainer_tensor(name)
+            rows, cols = _matrix(self._trainer.spec(name).shape)
+            src2d = src.reshape(rows, cols)
+            if out is None:
+                out = np.empty(_matrix(spec.shape), dtype=src.dtype)
+            for b in self._blocks[name]:
+                if b.rank == rank and b.dst == infer_name:
+                    r0, r1, c0, c1 = b.dst_rect()
+                    out[r0:r1, c0:c1] = src2d[b.row0 : b.row1, b.col0 : b.col1]
+        assert out is not None  # the invariants: every inference tensor is fed
+        return out.reshape(spec.shape)
 
     def to_json(self) -> bytes:
         return orjson.dumps({"shape": dataclasses.asdict(self.shape), "tp": self.tp})

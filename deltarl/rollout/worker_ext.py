@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deltarl.codecs.checksum import model_digest, tensor_digest
+from deltarl.engine.placement import ModelShape, PlacementMap
 from deltarl.engine.weight_store import Snapshot, WeightStore
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ class DeltaWorkerExtension:
     # (loaded from the model directory, or a load failed half-way).
     _deltarl_digests: dict[str, str] | None = None
     _deltarl_version: int | None = None
+    # The placement map of the store's layout at this worker's tensor-parallel degree, and
+    # what it was built for (built once per layout, not per load).
+    _deltarl_map: PlacementMap | None = None
+    _deltarl_map_key: tuple[Any, int] | None = None
 
     def deltarl_load_version(
         self,
@@ -101,21 +106,23 @@ class DeltaWorkerExtension:
           parameter names), every parameter of the handed-over layers must be among them,
           so a name the loader received but skipped fails the load.
         * Read-back: after the load and vLLM's post-load processing, every model parameter
-          that keeps the checkpoint's name, shape and dtype (embeddings, norms, an untied
-          lm_head: on CPU 11 of the tiny model's 45 tensors) is read back from the engine's
-          model and compared bit for bit with the store's tensor, whether or not it was
-          handed over this time. A float32 engine holds the bf16 tensors widened: those are
-          compared with the store's tensor widened to float32 (exact), bit for bit too.
+          whose checkpoint form is known is read back from the engine's model and compared
+          bit for bit with the store, whether or not it was handed over this time: those
+          that keep the checkpoint's name and shape (embeddings, norms, an untied lm_head),
+          and the fused or tensor-parallel ones (qkv_proj, gate_up_proj, a rank's shard of
+          any), which the placement map (``engine/placement.py``) assembles for this rank
+          from only the store's rectangles that feed it. A float32 engine holds the bf16
+          tensors widened: those are compared with the store's widened to float32 (exact).
         * ``digest``: the model digest (``codecs.checksum.model_digest``, layout order) of the
           consumed digests, plus the remembered digests of the layers not handed over (which
           were consumed by an earlier load). Equal to the manifest's when bit-exact.
 
-        Not proven: fused or repacked parameters (q/k/v and gate/up fused, linear weights
-        repacked into a kernel format and emptied on CPU, biases widened to float32) cannot be
-        read back in the checkpoint format; for them, the consumed bytes are what is proven,
-        not the kernel-format tensors vLLM derived from them. Likewise a kernel's private
-        copy of a read-back parameter (the CPU lm_head GEMM keeps a packed copy) is derived
-        from the parameter by vLLM, not compared.
+        Not proven: parameters repacked into a kernel format (vLLM-CPU's oneDNN linear
+        weights on AVX-512, quantised weights) or padded (a vocabulary padded for tensor
+        parallelism) cannot be read back in the checkpoint format; for them, the consumed
+        bytes are what is proven, not the kernel-format tensors vLLM derived from them.
+        Likewise a kernel's private copy of a read-back parameter (the CPU lm_head GEMM
+        keeps a packed copy) is derived from the parameter by vLLM, not compared.
 
         Returns ``version``, ``digest``, ``manifest_digest`` (the digest the apply agent
         committed with this version, read under the same lease: what ``digest`` must equal;
@@ -210,18 +217,21 @@ class DeltaWorkerExtension:
         }
 
     def _deltarl_readback(self, snap: Snapshot) -> int:
-        """Compare every parameter stored 1:1 (name, shape, and dtype or a float32 widening of
-        a bfloat16 tensor) with the store, bitwise."""
+        """Compare every engine parameter whose checkpoint form is known with the store,
+        bitwise: those stored 1:1 (name, shape), and the fused or tensor-parallel ones
+        (``qkv_proj``, ``gate_up_proj``, a rank's shard) through the placement map, which
+        builds this rank's tensor from only the store's rectangles that feed it. The dtype
+        must be the store's or a float32 widening of bf16; anything else is not readable as
+        loaded (repacked into a kernel format, padded, quantised) and is skipped."""
         import torch  # noqa: PLC0415 - in the worker's process, torch is loaded anyway
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        params = dict(model.named_parameters())
+        placement = self._deltarl_placement(snap)
         compared = 0
-        for spec in snap.layout.tensors:
-            param = params.get(spec.name)
-            want = snap.tensor(spec.name)
-            if param is None or param.shape != want.shape:
-                continue  # fused, repacked or renamed: not readable as loaded
+        for name, param in model.named_parameters():
+            want = self._deltarl_expected(snap, placement, name, tuple(param.shape))
+            if want is None:
+                continue  # renamed, repacked or padded: not readable as loaded
             if param.dtype != want.dtype:
                 if (param.dtype, want.dtype) != (torch.float32, torch.bfloat16):
                     continue  # a conversion that may round: nothing exact to compare
@@ -235,11 +245,62 @@ class DeltaWorkerExtension:
             if not torch.equal(have, ref):
                 differ = int((have != ref).sum())
                 raise WeightVerificationError(
-                    f"engine parameter {spec.name} differs from version {snap.version} in "
+                    f"engine parameter {name} differs from version {snap.version} in "
                     f"the store ({differ} of {have.numel()} bytes) after the load"
                 )
             compared += 1
         return compared
+
+    def _deltarl_expected(
+        self,
+        snap: Snapshot,
+        placement: tuple[PlacementMap, int] | None,
+        name: str,
+        shape: tuple[int, ...],
+    ) -> torch.Tensor | None:
+        """What parameter ``name`` of this rank must hold, from the leased store; None if
+        neither the store (1:1) nor the placement map gives a tensor of its shape."""
+        import torch  # noqa: PLC0415
+
+        if name in snap.layout and snap.layout.spec(name).shape == shape:
+            return snap.tensor(name)  # stored 1:1 (at any tensor-parallel degree)
+        if placement is None:
+            return None
+        pmap, rank = placement
+        layout = pmap.inference_layout(rank)
+        if name not in layout or layout.spec(name).shape != shape:
+            return None
+        bits = pmap.assemble(rank, name, snap.array)
+        dtype = getattr(torch, layout.spec(name).dtype)
+        return torch.from_numpy(bits).view(dtype)
+
+    def _deltarl_placement(self, snap: Snapshot) -> tuple[PlacementMap, int] | None:
+        """This worker's placement map and tensor-parallel rank, for a model the map knows
+        whose store holds exactly the map's trainer tensors; None otherwise (then only the
+        1:1 parameters are compared, and only at tensor-parallel degree 1)."""
+        from vllm.distributed import (  # noqa: PLC0415 - vLLM's, in its worker
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        key = (snap.layout, get_tensor_model_parallel_world_size())
+        if self._deltarl_map_key != key:
+            self._deltarl_map_key, self._deltarl_map = key, None
+            config = self.model_runner.model_config.hf_config.to_dict()  # type: ignore[attr-defined]
+            try:
+                pmap = PlacementMap(ModelShape.from_hf_config(config), key[1])
+            except ValueError as e:
+                logger.info("no placement map for this model (%s): 1:1 read-back only", e)
+            else:
+                trainer = pmap.trainer_layout()
+                # By name: the store's order is its own (a safetensors file sorts by name).
+                if {t.name: t.shape for t in trainer.tensors} == {
+                    t.name: t.shape for t in snap.layout.tensors
+                }:
+                    self._deltarl_map = pmap
+        if self._deltarl_map is None:
+            return None
+        return self._deltarl_map, get_tensor_model_parallel_rank()
 
     def deltarl_status(self) -> dict[str, Any]:
         """The version this worker last loaded from a store (None: still the model's files)."""

@@ -148,6 +148,28 @@ def test_layouts_match_reference(name, tp):
         ]
 
 
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_assemble_builds_each_ranks_tensor_as_vllms_loaders_do(name, tp):
+    """What a rank's read-back compares its engine against: every inference tensor of every
+    rank, from random bf16 bit patterns, equal to the reference built the loaders' way; and
+    only the trainer tensors that feed it are read."""
+    pmap = PlacementMap(SHAPES[name], tp)
+    trainer = {n: x.numpy() for n, x in trainer_tensors(pmap, "bits", seed=3).items()}
+    ref = reference(pmap.shape, tp, {n: torch.from_numpy(x) for n, x in trainer.items()})
+    for r in range(tp):
+        for spec in pmap.inference_layout(r).tensors:
+            read: list[str] = []
+
+            def source(n: str, read: list[str] = read) -> np.ndarray:
+                read.append(n)
+                return trainer[n]
+
+            got = pmap.assemble(r, spec.name, source)
+            assert got.shape == spec.shape
+            assert np.array_equal(got, ref[r][spec.name].numpy()), (r, spec.name)
+            assert read == list(pmap.sources(r, spec.name))
+
+
 # -- translate ---------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from deltarl.rl.tiny_model import ensure_default_model
 from deltarl.rollout.engine import VllmEngine, VllmEngineConfig
 from deltarl.rollout.worker_ext import WeightVerificationError
 from tests.rollout.test_vllm_engine import (
+    _fused_plain,
     _model_class,
     bf16_store,
     commit,
@@ -136,8 +137,10 @@ def test_a_bf16_version_loads_into_float32_and_is_read_back_widened(
     version = commit(store, new)
     report = engine.update_weights(store.name, store.path.parent, version, only_changed=False)
     # every 1:1 parameter is a widened bf16 tensor now, compared, not skipped (embeddings,
-    # lm_head and the 9 norms, as at bf16: vLLM-CPU repacks the linear layers either way)
-    assert report["readback_tensors"] == _widened(engine, store) >= 11
+    # lm_head and the 9 norms at least), and so is every plain fused one, through the
+    # placement map (the q/k/v biases at least; vLLM-CPU may repack the linear weights)
+    assert report["readback_tensors"] == _widened(engine, store) + _fused_plain(engine, store)
+    assert _fused_plain(engine, store) >= 4
     assert report["digest"] == store_digest(store)
     norm = _params(engine)["model.norm.weight"]
     assert torch.equal(norm, new["model.norm.weight"].float())
