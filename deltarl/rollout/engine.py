@@ -80,6 +80,10 @@ class VllmEngineConfig:
     # when the model has one (an instruct model only follows the task's answer form then);
     # True: always (an error without a template); False: the prompt text as it is.
     chat: Literal["auto", True, False] = "auto"
+    # Tensor-parallel ranks, each a worker process of vLLM's multiprocessing executor (1: one
+    # worker in this process). Each rank loads its own shard of every tensor handed over and
+    # proves it through the placement map (worker_ext.py).
+    tensor_parallel_size: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further ``vllm.EngineArgs`` fields, passed through unchanged (over ``cpu_engine_args``
     on CPU), except ``async_scheduling``, which is always off (``SYNC_ENGINE_ARGS``)."""
@@ -87,6 +91,10 @@ class VllmEngineConfig:
     def __post_init__(self) -> None:
         if self.chat not in (True, False, "auto"):
             raise ValueError(f'chat must be true, false or "auto", got {self.chat!r}')
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
+            )
         for key, value in SYNC_ENGINE_ARGS.items():
             if key in self.engine_args and self.engine_args[key] != value:
                 raise ValueError(
@@ -107,6 +115,26 @@ SYNC_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": False}
 
 
 CPU_MIN_BATCHED_TOKENS = 8192
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_rank_cores(ranks: int) -> str:
+    """vLLM-CPU binds each tensor-parallel rank's threads to cores, one NUMA node per rank by
+    default, and refuses more ranks than nodes. Unless the operator chose a binding (the
+    variable ``VLLM_CPU_OMP_THREADS_BIND``), this process's cores are split into ``ranks``
+    equal contiguous sets, one per rank ("0|1" for 2 cores, "0-3|4-7" for 8)."""
+    if os.environ.get(CPU_BIND_ENV):
+        return os.environ[CPU_BIND_ENV]
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // ranks
+    if per < 1:
+        raise ValueError(f"tensor_parallel_size={ranks} needs at least {ranks} cores here")
+    sets = [cores[r * per : (r + 1) * per] for r in range(ranks)]
+    binding = "|".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in sets)
+    if any(s != list(range(s[0], s[-1] + 1)) for s in sets):  # not contiguous: list them
+        binding = "|".join(",".join(map(str, s)) for s in sets)
+    os.environ[CPU_BIND_ENV] = binding
+    return binding
 
 
 def cpu_engine_args(max_model_len: int) -> dict[str, Any]:
@@ -231,6 +259,8 @@ class VllmEngine:
 
         cfg = self.config
         platform_args = cpu_engine_args(cfg.max_model_len) if current_platform.is_cpu() else {}
+        if current_platform.is_cpu() and cfg.tensor_parallel_size > 1:
+            cpu_rank_cores(cfg.tensor_parallel_size)
         args = EngineArgs(
             model=str(cfg.model),
             dtype=cfg.dtype,
@@ -241,7 +271,10 @@ class VllmEngine:
             enable_prefix_caching=True,
             kv_cache_memory_bytes=cfg.kv_cache_bytes,
             enforce_eager=cfg.enforce_eager,
-            distributed_executor_backend="uni",
+            # One rank: its worker in this process. Several: one process each (vLLM's
+            # multiprocessing executor; collective_rpc reaches every rank).
+            distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "mp",
+            tensor_parallel_size=cfg.tensor_parallel_size,
             worker_extension_cls=QUALNAME,
             logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
             **{**platform_args, **cfg.engine_args, **SYNC_ENGINE_ARGS},
@@ -468,6 +501,9 @@ class VllmEngine:
             # Tensor-parallel workers lease separately; the pointer moved between them.
             raise RuntimeError(f"workers loaded different weights: {reports}")
         report = dict(reports[0])
+        # Every rank read back its own shards: the figure is theirs together.
+        report["readback_tensors"] = sum(int(r["readback_tensors"]) for r in reports)
+        report["ranks"] = len(reports)
         self.version = int(report["version"])
         engine.set_weight_version(str(self.version))
         report["resalted_requests"] = self._resalt(engine)
