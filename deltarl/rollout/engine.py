@@ -91,6 +91,13 @@ class VllmEngineConfig:
     def __post_init__(self) -> None:
         if self.chat not in (True, False, "auto"):
             raise ValueError(f'chat must be true, false or "auto", got {self.chat!r}')
+        owned = sorted(OWNED_ENGINE_ARGS & set(self.engine_args))
+        if owned:
+            raise ValueError(
+                f"engine_args: {', '.join(owned)} are set by the engine's own knobs (or fixed "
+                "by deltarl: the executor, the worker extension that loads from the store); "
+                "use the knob (e.g. tensor_parallel_size, max_model_len, dtype) instead"
+            )
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
@@ -112,6 +119,26 @@ class VllmEngineConfig:
 # be tagged with the new version. Invariant: every token's version is the weights it was
 # computed with.
 SYNC_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": False}
+
+# vllm.EngineArgs fields the engine sets itself from its own knobs: also in engine_args they
+# would be given twice (vLLM would raise a TypeError at start, after the config was accepted).
+OWNED_ENGINE_ARGS = frozenset(
+    {
+        "model",
+        "dtype",
+        "seed",
+        "max_model_len",
+        "max_num_seqs",
+        "block_size",
+        "enable_prefix_caching",
+        "kv_cache_memory_bytes",
+        "enforce_eager",
+        "distributed_executor_backend",
+        "tensor_parallel_size",
+        "worker_extension_cls",
+        "logprobs_mode",
+    }
+)
 
 
 CPU_MIN_BATCHED_TOKENS = 8192
