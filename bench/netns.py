@@ -113,8 +113,6 @@ class ShapedLink:
             _run(IP, "link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
             _run(IP, "link", "set", self.dev_a, "netns", self.ns_a)
             _run(IP, "link", "set", self.dev_b, "netns", self.ns_b)
-            # burst: 10 ms at the rate, at least 32 KiB (tbf needs burst >= rate / HZ)
-            burst = max(32 << 10, int(self.rate_mbit * 1e6 / 8 / 100))
             for ns, dev, addr in (
                 (self.ns_a, self.dev_a, self.addr_a),
                 (self.ns_b, self.dev_b, self.addr_b),
@@ -122,25 +120,7 @@ class ShapedLink:
                 _run(IP, "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
                 _run(IP, "-n", ns, "link", "set", dev, "up")
                 _run(IP, "-n", ns, "link", "set", "lo", "up")
-                _run(
-                    IP,
-                    "netns",
-                    "exec",
-                    ns,
-                    TC,
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dev,
-                    "root",
-                    "tbf",
-                    "rate",
-                    f"{self.rate_mbit}mbit",
-                    "burst",
-                    str(burst),
-                    "latency",
-                    "50ms",
-                )
+                _shape(ns, dev, self.rate_mbit)
         except BaseException:
             self.down()
             raise

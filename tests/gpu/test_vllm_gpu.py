@@ -22,16 +22,15 @@ if not torch.cuda.is_available():
         "no CUDA device here: the GPU path runs in scripts/gpu-check.sh", allow_module_level=True
     )
 
-from safetensors.torch import load_file  # noqa: E402 - after the skips
 
 from deltarl.engine.weight_store import WeightStore  # noqa: E402
 from deltarl.rl.pretrained import ensure_model  # noqa: E402
 from deltarl.rollout.engine import FinishedGroup, VllmEngine, VllmEngineConfig  # noqa: E402
 from tests.rollout.test_vllm_engine import (  # noqa: E402
-    bf16_store,
     commit,
     perturbed,
     store_digest,
+    weights_and_store,
 )
 
 pytestmark = pytest.mark.gpu
@@ -44,16 +43,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_model("smollm2-135m", tmp_path_factory.mktemp("models"))
 
 
-@pytest.fixture(scope="module")
-def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(model_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def store(
-    tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
-) -> Iterator[WeightStore]:
-    yield from bf16_store(tmp_path_factory, base_weights, "gpu")
+base_weights, store = weights_and_store("gpu")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import math
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,11 +53,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_default_model(tmp_path_factory.mktemp("models"))
 
 
-@pytest.fixture(scope="module")
-def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(model_dir / "model.safetensors"))
-
-
 def bf16_store(
     tmp_path_factory: pytest.TempPathFactory, weights: dict[str, torch.Tensor], prefix: str
 ) -> Iterator[WeightStore]:
@@ -70,11 +66,25 @@ def bf16_store(
         s.unlink()
 
 
-@pytest.fixture(scope="module")
-def store(
-    tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
-) -> Iterator[WeightStore]:
-    yield from bf16_store(tmp_path_factory, base_weights, "rollout")
+def weights_and_store(prefix: str) -> tuple[Any, Any]:
+    """A vLLM test module's ``base_weights`` (its ``model_dir``'s checkpoint) and ``store``
+    (a bf16 store holding them as version 0) fixtures: ``base_weights, store =
+    weights_and_store("name")`` at module level."""
+
+    @pytest.fixture(scope="module")
+    def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+        return load_file(str(model_dir / "model.safetensors"))
+
+    @pytest.fixture(scope="module")
+    def store(
+        tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
+    ) -> Iterator[WeightStore]:
+        yield from bf16_store(tmp_path_factory, base_weights, prefix)
+
+    return base_weights, store
+
+
+base_weights, store = weights_and_store("rollout")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ try:
 except Exception as exc:  # noqa: BLE001 - a broken install (e.g. CUDA torchvision) raises anything
     pytest.skip(f"vLLM does not import ({type(exc).__name__}: {exc})", allow_module_level=True)
 
-from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from deltarl.engine.weight_store import WeightStore
@@ -30,11 +29,11 @@ from deltarl.rollout.worker_ext import WeightVerificationError
 from tests.rollout.test_vllm_engine import (
     _fused_plain,
     _model_class,
-    bf16_store,
     commit,
     perturbed,
     run,
     store_digest,
+    weights_and_store,
 )
 
 TEMPLATE = (
@@ -53,16 +52,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return chat
 
 
-@pytest.fixture(scope="module")
-def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(model_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def store(
-    tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
-) -> Iterator[WeightStore]:
-    yield from bf16_store(tmp_path_factory, base_weights, "fp32")
+base_weights, store = weights_and_store("fp32")
 
 
 @pytest.fixture(scope="module")

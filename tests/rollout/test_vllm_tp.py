@@ -25,7 +25,6 @@ try:
 except Exception as exc:  # noqa: BLE001 - a broken install raises anything
     pytest.skip(f"vLLM does not import ({type(exc).__name__}: {exc})", allow_module_level=True)
 
-from safetensors.torch import load_file
 
 from deltarl.engine.placement import ModelShape, PlacementMap
 from deltarl.engine.weight_store import WeightStore
@@ -34,11 +33,11 @@ from deltarl.rollout.engine import VllmEngine, VllmEngineConfig
 from deltarl.rollout.worker_ext import WeightVerificationError
 from tests.rollout.test_vllm_engine import (
     PROMPT,
-    bf16_store,
     commit,
     perturbed,
     run,
     store_digest,
+    weights_and_store,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,16 +52,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_default_model(tmp_path_factory.mktemp("models"))
 
 
-@pytest.fixture(scope="module")
-def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(model_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def store(
-    tmp_path_factory: pytest.TempPathFactory, base_weights: dict[str, torch.Tensor]
-) -> Iterator[WeightStore]:
-    yield from bf16_store(tmp_path_factory, base_weights, "tp")
+base_weights, store = weights_and_store("tp")
 
 
 @pytest.fixture(scope="module")
