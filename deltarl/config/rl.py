@@ -116,6 +116,9 @@ class RLTrainerConfig(DaemonTable):
     """Data-parallel ranks (deltarl/trainer/ranks.py): this daemon is rank 0 and starts the
     others as its own processes, ``threads`` torch threads each. Bit-exact resume needs the
     same number."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model trains: "auto" is a GPU where torch sees one (rank r on GPU r modulo
+    their number, the ranks in one NCCL group), else the CPU (one gloo group)."""
     rank_timeout_s: float = 600.0
     """How long a collective may wait for a rank that does not answer (one that died is seen
     at once): then the step fails and the daemon exits for its supervisor to restart it."""
@@ -128,6 +131,8 @@ class RLTrainerConfig(DaemonTable):
         positive(self, "lr", "clip_eps", "wait_s", "request_timeout_s", "rank_timeout_s")
         if self.ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {self.ranks}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f'device must be "auto", "cpu" or "cuda", got {self.device!r}')
         non_negative(self, "weight_decay", "kl_coef", "max_grad_norm", "max_steps", "threads")
         endpoints(self, "scheduler_samples")
         if self.scheduler_samples is None:

@@ -33,6 +33,7 @@ Choices, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,12 @@ class GRPOBatch:
             behaviour_logprobs=self.behaviour_logprobs[start:stop, : length - 1],
             advantages=self.advantages[start:stop],
             rewards=self.rewards[start:stop],
+        )
+
+    def to(self, device: torch.device) -> GRPOBatch:
+        """The same batch with every tensor on ``device`` (itself where they already are)."""
+        return dataclasses.replace(
+            self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)}
         )
 
     def micro_batches(self, size: int) -> Iterator[GRPOBatch]:
@@ -310,9 +317,11 @@ def train_step(
     total = batch.tokens if total_tokens is None else total_tokens
     optimizer.zero_grad(set_to_none=True)
     acc = {"loss": 0.0, "kl": 0.0, "kl_behaviour": 0.0, "clipped": 0.0}
+    device = next(model.parameters()).device
     for micro in batch.micro_batches(config.micro_batch):
         if micro.tokens == 0:
             continue  # nothing to learn from, and a forward pass would cost for nothing
+        micro = micro.to(device)  # noqa: PLW2901 - the same micro-batch, on the model's device
         logp = token_logprobs(model, micro.input_ids, micro.attention_mask, config.temperature)
         ref = None
         if reference is not None:

@@ -75,7 +75,7 @@ def weights_digest(model: nn.Module) -> str:
     """xxh3-128 of every parameter's bytes, in order: equal on two ranks iff their weights are."""
     h = xxhash.xxh3_128()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy())
+        h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy())
     return h.hexdigest()
 
 
@@ -92,7 +92,7 @@ def reduce_gradients(params: list[nn.Parameter], sums: dict[str, float]) -> None
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
     keys = sorted(sums)
-    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=flat.device)
     dist.all_reduce(totals)
     sums.update(zip(keys, totals.tolist(), strict=True))
 
@@ -102,7 +102,7 @@ def _header(
 ) -> torch.Tensor:
     """What to do next: op, step, the batch's rows and columns, its temperature."""
     rows, cols = (0, 0) if batch is None else tuple(batch.input_ids.shape)
-    return torch.tensor([op, step, rows, cols, temp], dtype=torch.float64)
+    return torch.tensor([op, step, rows, cols, temp], dtype=torch.float64, device=comm_device())
 
 
 def train_share(
@@ -142,14 +142,14 @@ def broadcast_batch(batch: GRPOBatch) -> None:
         batch.advantages,
         batch.rewards,
     ):
-        dist.broadcast(t.contiguous(), src=0)
+        dist.broadcast(t.contiguous().to(comm_device()), src=0)
 
 
 def receive_batch(rows: int, cols: int) -> GRPOBatch:
     def get(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=comm_device())
         dist.broadcast(t, src=0)
-        return t
+        return t.cpu()  # as rank 0 holds its batch; train_step moves micro-batches over
 
     return GRPOBatch(
         input_ids=get((rows, cols), torch.int64),
@@ -167,9 +167,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def join(rank: int, world: int, address: str, timeout_s: float) -> None:
+def comm_device() -> torch.device:
+    """Where this rank's collective tensors live: NCCL moves GPU tensors only, gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def join(rank: int, world: int, address: str, timeout_s: float, device: torch.device) -> None:
+    """Join the ranks' group: NCCL when the ranks train on GPUs (``build_model`` has set this
+    rank's GPU), gloo on the CPU."""
     dist.init_process_group(
-        "gloo",
+        "nccl" if device.type == "cuda" else "gloo",
         init_method=f"tcp://{address}",
         rank=rank,
         world_size=world,
@@ -180,16 +189,18 @@ def join(rank: int, world: int, address: str, timeout_s: float) -> None:
 def check_same_start(model: nn.Module, step: int) -> None:
     """R1 at the start: every rank's weights and step equal rank 0's, or this rank raises."""
     mine = orjson.dumps([weights_digest(model), step])
-    sizes = torch.tensor([len(mine)], dtype=torch.int64)
+    dev = comm_device()
+    sizes = torch.tensor([len(mine)], dtype=torch.int64, device=dev)
     dist.broadcast(sizes, src=0)
-    buf = torch.zeros(int(sizes.item()), dtype=torch.uint8)
+    buf = torch.zeros(int(sizes.item()), dtype=torch.uint8, device=dev)
     if dist.get_rank() == 0:
-        buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(dev)
     dist.broadcast(buf, src=0)
-    if bytes(buf.numpy()) != mine:
+    theirs = bytes(buf.cpu().numpy())
+    if theirs != mine:
         raise RuntimeError(
             f"rank {dist.get_rank()} starts from other weights or another step than rank 0 "
-            f"(rank 0: {bytes(buf.numpy()).decode()}, here: {mine.decode()})"
+            f"(rank 0: {theirs.decode()}, here: {mine.decode()})"
         )
 
 
@@ -201,9 +212,9 @@ class Workers:
         self.world = config.ranks
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self) -> None:
-        """Start the workers and join the group with them (rank 0). Call before anything else
-        touches torch.distributed in this process."""
+    def start(self, device: torch.device) -> None:
+        """Start the workers and join the group with them (rank 0, training on ``device``).
+        Call before anything else touches torch.distributed in this process."""
         cfg = self.config
         address = f"127.0.0.1:{_free_port()}"
         cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -224,8 +235,13 @@ class Workers:
                         stderr=subprocess.STDOUT,
                     )
                 )
-        join(0, self.world, address, cfg.rank_timeout_s)
-        logger.info("trainer ranks: %d processes in one gloo group at %s", self.world, address)
+        join(0, self.world, address, cfg.rank_timeout_s, device)
+        logger.info(
+            "trainer ranks: %d processes in one %s group at %s",
+            self.world,
+            dist.get_backend(),
+            address,
+        )
 
     def alive(self) -> int:
         """Ranks running now, rank 0 included."""
@@ -277,8 +293,9 @@ def worker(spec_path: Path, rank: int) -> int:
     spec = orjson.loads(spec_path.read_bytes())
     record = {k: v for k, v in spec["config"].items() if v is not None}
     cfg = build(RLTrainerConfig, "[daemons.trainer] of rank 0", record)
-    built = build_model(cfg)
-    join(rank, int(spec["world"]), str(spec["address"]), cfg.rank_timeout_s)
+    built = build_model(cfg, rank)
+    device = next(built.model.parameters()).device
+    join(rank, int(spec["world"]), str(spec["address"]), cfg.rank_timeout_s, device)
     check_same_start(built.model, built.step)
     logger.info("rank %d of %d: at step %d", rank, spec["world"], built.step)
     while True:

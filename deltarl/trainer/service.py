@@ -116,16 +116,29 @@ class Built:
         return 0 if self.found is None else self.found.step
 
 
-def build_model(cfg: RLTrainerConfig) -> Built:
+def train_device(cfg: RLTrainerConfig, rank: int = 0) -> torch.device:
+    """Where rank ``rank`` trains: its GPU (rank modulo the GPUs torch sees) or the CPU."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError('device = "cuda" but torch sees no GPU here')
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def build_model(cfg: RLTrainerConfig, rank: int = 0) -> Built:
     """The model, optimizer and reference of every rank, restored from the newest sound
     checkpoint: one code path for rank 0 and the workers, so that they start equal (R1 in
-    deltarl/trainer/ranks.py)."""
+    deltarl/trainer/ranks.py). The model is on the rank's ``train_device`` before the
+    optimizer is made (its state follows the parameters) and before the restore."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)  # a library may draw from numpy's global generator
-    model = load_model(cfg.model_dir)
+    device = train_device(cfg, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = load_model(cfg.model_dir).to(device)
     # The reference is the initial model; a restart rebuilds it the same way.
     reference = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -189,7 +202,7 @@ class TrainerService(DaemonCore):
         self.checkpointer = built.checkpointer
         if cfg.ranks > 1:
             self.workers = Workers(cfg)
-            self.workers.start()
+            self.workers.start(next(model.parameters()).device)
             check_same_start(model, self.step)
         try:
             self.publisher = Publisher(model, cfg.published_store, root=cfg.store_root)

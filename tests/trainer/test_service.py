@@ -9,13 +9,19 @@ checkpoints it; pause holds after the step in flight.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+import torch
+
+from deltarl.config import ConfigError
 from deltarl.config.rl import RLTrainerConfig
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
 from deltarl.trainer.checkpoint import Checkpointer
-from deltarl.trainer.service import TrainerService
+from deltarl.trainer.grpo import GRPOBatch
+from deltarl.trainer.service import TrainerService, train_device
 from deltarl.transport.messages import Command, Ok, Reply
 from tests.trainer.test_checkpoint import synthetic_groups
 from tests.trainer.tiny import save_tiny_model, shipped
@@ -209,3 +215,32 @@ def test_samples_that_are_not_their_digests_bytes_stall_the_step(tmp_path: Path)
         await trainer.close()
 
     asyncio.run(scenario())
+
+
+def test_the_training_device_follows_the_config(tmp_path: Path) -> None:
+    assert train_device(_config(tmp_path, device="cpu")) == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert train_device(_config(tmp_path), rank=1).type == "cuda"
+        return
+    assert train_device(_config(tmp_path)) == torch.device("cpu")  # "auto" without a GPU
+    with pytest.raises(ConfigError, match="torch sees no GPU"):
+        train_device(_config(tmp_path, device="cuda"))
+    with pytest.raises(ValueError, match='device must be "auto", "cpu" or "cuda"'):
+        _config(tmp_path, device="tpu")
+
+
+def test_a_batch_moves_to_the_models_device_whole() -> None:
+    batch = GRPOBatch(
+        input_ids=torch.zeros((2, 3), dtype=torch.int64),
+        attention_mask=torch.ones((2, 3), dtype=torch.int64),
+        loss_mask=torch.ones((2, 2)),
+        behaviour_logprobs=torch.zeros((2, 2)),
+        advantages=torch.ones(2),
+        rewards=torch.ones(2),
+    )
+    moved = batch.to(torch.device("meta"))
+    assert {f.name for f in dataclasses.fields(moved)} == {
+        f.name for f in dataclasses.fields(batch)
+    }
+    assert all(getattr(moved, f.name).device.type == "meta" for f in dataclasses.fields(moved))
+    assert batch.input_ids.device.type == "cpu"  # the original is untouched
