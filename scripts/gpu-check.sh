@@ -6,7 +6,7 @@
 #      rollout-engine tests, which run on whatever platform vLLM finds;
 #   3. run `deltarl up` on SmolLM2 with two rollout engines on the one GPU (each with a 0.3
 #      share of its memory), and print the figures: steps/s, refit time, engine tokens/s.
-# The trainer runs on the CPU (it has no GPU path yet). Figures go to $OUT (default ./gpu-check).
+# The trainer trains on the GPU too (device = "auto"). Figures go to $OUT (default ./gpu-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}
