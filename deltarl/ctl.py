@@ -159,7 +159,8 @@ def _cell(value: Any, digits: int = 3) -> str:  # noqa: ANN401 - a JSON value
 
 def format_history(history: History) -> str:
     """One line per step: version, reward (the feedback signal), samples, lag, timings, the
-    reward service's P99 and the held-out accuracy; a line of the held-out rounds, if any."""
+    reward service's P99, the share of generated tokens wasted (dropped stale since the
+    previous step) and the held-out accuracy; a line of the held-out rounds, if any."""
     header = (
         "step",
         "trainer v",
@@ -173,6 +174,7 @@ def format_history(history: History) -> str:
         "queue s",
         "step s",
         "reward p99 s",
+        "wasted",
         "eval acc",
         "ckpt",
     )
@@ -194,6 +196,7 @@ def format_history(history: History) -> str:
                 _cell(s.get("queue_s_mean")),
                 _cell(step_s),
                 _cell(s.get("reward_p99_s"), 4),
+                _cell(s.get("wasted_ratio")),
                 _cell(s.get("eval_accuracy")),
                 "yes" if s.get("checkpointed") else "no",
             )

@@ -175,6 +175,10 @@ def summarise(run: Run) -> dict[str, Any]:
         "reward_curve": [{"step": int(r["step"]), "reward": r.get("reward_mean")} for r in rows],
         "step_time": _step_time(rows, totals),
         "rollouts": len(engines),
+        # Generated tokens thrown away stale (dropped over the lag bound), of all generated
+        # for training: the run's share, and each step's.
+        "wasted_tokens_ratio": _wasted_ratio(rows),
+        "wasted_curve": [{"step": int(r["step"]), "ratio": r.get("wasted_ratio")} for r in rows],
         "trainer_ranks": int((run.status("trainer") or {}).get("ranks") or 1),
         "engines": [
             {
@@ -189,6 +193,21 @@ def summarise(run: Run) -> dict[str, Any]:
         ],
         "counters": counters,
     }
+
+
+def _wasted_ratio(rows: list[dict[str, Any]]) -> float | None:
+    """Wasted / (wasted + trained) completion tokens over the run's steps; None if no step
+    recorded tokens (a scheduler store of an older deltarl)."""
+    counted = [r for r in rows if r.get("trained_tokens") is not None]
+    trained = sum(int(r["trained_tokens"]) for r in counted)
+    wasted = sum(int(r["wasted_tokens"]) for r in counted)
+    return None if trained + wasted == 0 else round(wasted / (trained + wasted), 6)
+
+
+def _wasted_line(ratio: float | None) -> str:
+    if ratio is None:
+        return "not recorded"
+    return f"{ratio:.1%} of the generated completion tokens were dropped stale (over the lag bound)"
 
 
 def _step_time(rows: list[dict[str, Any]], refits: list[float]) -> dict[str, float]:
@@ -295,6 +314,7 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"{s['changed_ratio_median']:.4%} of the weights changed per version",
         f"  bit-exact         {exact}",
         f"  not trained       {_not_trained(s.get('counters') or {})}",
+        f"  wasted tokens     {_wasted_line(s.get('wasted_tokens_ratio'))}",
         f"  logs and state    {run.directory}",
     ]
     print("\n" + "\n".join(lines), file=out)

@@ -117,6 +117,11 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert t["wait_s"] >= 0
     assert [r["step"] for r in result["reward_curve"]] == list(range(1, steps + 1))
     assert "step time         median" in proc.stderr
+    # the share of generated tokens thrown away stale, the run's and each step's
+    assert 0 <= result["wasted_tokens_ratio"] < 1
+    assert [w["step"] for w in result["wasted_curve"]] == list(range(1, steps + 1))
+    assert all(0 <= w["ratio"] < 1 for w in result["wasted_curve"])
+    assert "wasted tokens     " in proc.stderr
 
 
 # -- kill -9 during a run -----------------------------------------------------------------

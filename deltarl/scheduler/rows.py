@@ -16,6 +16,7 @@ import orjson
 from deltarl.scheduler.blob_table import BLOB_SCHEMA
 from deltarl.scheduler.eval_store import EVAL_SCHEMA
 from deltarl.scheduler.reward_stats import STEP_REWARDS_SCHEMA
+from deltarl.scheduler.token_waste import TOKENS_SCHEMA
 
 SCHEMA_VERSION = 2
 """2: samples are blobs (``blob_table``) referenced by ``samples_ref``, no longer JSON inline."""
@@ -92,6 +93,8 @@ SCHEMA = (
     STEP_REWARDS_SCHEMA,
     # Held-out evaluation (deltarl.scheduler.eval_store); created on open in an older file.
     *EVAL_SCHEMA,
+    # Tokens trained and wasted per step (token_waste); created on open in an older file.
+    *TOKENS_SCHEMA,
 )
 
 

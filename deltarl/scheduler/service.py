@@ -510,7 +510,8 @@ class SchedulerService(DaemonCore):
             oldest = group.weight_version
         if oldest is None:
             oldest = self.trainer_version
-        if not self.store.pool(group.prompt_id, group.attempt, blob, rewards, oldest):
+        tokens = sum(len(s.token_ids) for s in samples.samples)
+        if not self.store.pool(group.prompt_id, group.attempt, blob, rewards, oldest, tokens):
             # Requeued while it was being scored (its lease ran out): the new attempt will be
             # pooled instead, so these samples are counted as dropped, not pooled twice.
             stale = f"group {group.group_id} was requeued while it was scored; not accepted"

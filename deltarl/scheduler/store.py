@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from deltarl.scheduler import reward_stats
+from deltarl.scheduler import reward_stats, token_waste
 from deltarl.scheduler.eval_store import EvalTables
 from deltarl.scheduler.retention import StepRetention
 from deltarl.scheduler.rows import (
@@ -168,6 +168,7 @@ class SchedulerStore(EvalTables, StepRetention):
             names = [d[0] for d in cur.description]
             rows = [dict(zip(names, r, strict=True)) for r in cur]
             reward_stats.attach(conn, rows)
+            token_waste.attach(conn, rows)
         for row in rows:
             row["metrics"] = orjson.loads(row["metrics"]) if row["metrics"] else {}
             row["checkpointed"] = bool(row["checkpointed"])
@@ -304,10 +305,12 @@ class SchedulerStore(EvalTables, StepRetention):
         blob: tuple[str, bytes],
         rewards: Sequence[float],
         min_version: int | None,
+        tokens: int = 0,
     ) -> bool:
         """Issued -> pooled, with its samples' blob (digest, bytes: kept again if it was swept
-        meanwhile) and their rewards. False if this attempt is not issued now (requeued
-        meanwhile): nothing is written, and the caller counts the drop."""
+        meanwhile), their rewards and completion ``tokens`` (``token_waste``). False if this
+        attempt is not issued now (requeued meanwhile): nothing is written, and the caller
+        counts the drop."""
         digest, data = blob
         with self._lock, self._write() as conn:
             updated = conn.execute(
@@ -327,6 +330,7 @@ class SchedulerStore(EvalTables, StepRetention):
                 kept = conn.execute("SELECT 1 FROM blobs WHERE digest = ?", (digest,)).fetchone()
                 if kept is None:
                     self._put(conn, digest, data)
+                token_waste.note(conn, prompt_id, attempt, tokens)
                 self._bump(conn, "pooled_groups")
                 self._bump(conn, "pooled_samples", len(rewards))
             return bool(updated)
@@ -481,6 +485,8 @@ class SchedulerStore(EvalTables, StepRetention):
                     self._drop(conn, g, "lag_exceeded", g.samples, failure=False, max_failures=0)
                 else:
                     fresh.append((g, max(lag, 0)))
+            stale_tokens = token_waste.take(conn, ((g.prompt_id, g.attempt) for g in stale))
+            token_waste.wasted(conn, stale_tokens, len(stale))
             if len(fresh) < groups:
                 return ShipResult([], False, stale)
             taken = fresh[:groups]
@@ -517,6 +523,9 @@ class SchedulerStore(EvalTables, StepRetention):
             )
             if reward is not None:
                 reward_stats.insert(conn, step, reward)
+            token_waste.record(
+                conn, step, token_waste.take(conn, ((g.prompt_id, g.attempt) for g, _ in taken))
+            )
             self._bump(conn, "shipped_groups", len(taken))
             self._bump(conn, "shipped_samples", len(rewards))
             conn.execute(

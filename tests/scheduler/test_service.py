@@ -266,6 +266,34 @@ def test_stale_groups_are_dropped_at_ship_time_under_every_policy(tmp_path):
     run(go())
 
 
+def test_wasted_tokens_are_the_stale_groups_tokens_recorded_with_the_next_step(tmp_path):
+    """Each group: 4 samples of 8 completion tokens. Step 1 trains 2 groups and wastes none;
+    then 2 groups go stale and are dropped while step 2 cannot be filled (their 64 tokens wait
+    for it); step 2 trains 2 fresh groups and carries the waste: ratio 64 / 128. The figures
+    survive a restart of the scheduler (they are in its store)."""
+
+    async def go():
+        svc, store, _ = make_service(tmp_path, on_lag_exceeded="drop", max_policy_lag_steps=0)
+        await submit_all(svc, await work(svc, n=2, version=0), version=0)
+        assert len((await svc.take_batch(TakeBatch(1, 2, trainer_version=0))).groups) == 2
+        await submit_all(svc, await work(svc, n=2, version=0), version=0)
+        stale = await svc.take_batch(TakeBatch(2, 2, trainer_version=1))
+        assert stale.groups == []
+        assert store.counters()["dropped_groups.lag_exceeded"] == 2
+        await submit_all(svc, await work(svc, n=2, version=1), version=1)
+        assert len((await svc.take_batch(TakeBatch(2, 2, trainer_version=1))).groups) == 2
+        store.close()
+        _, reopened, _ = make_service(tmp_path)
+        rows = {r["step"]: r for r in reopened.history()}
+        assert (rows[1]["trained_tokens"], rows[1]["wasted_tokens"]) == (64, 0)
+        assert rows[1]["wasted_ratio"] == 0
+        assert (rows[2]["trained_tokens"], rows[2]["wasted_tokens"]) == (64, 64)
+        assert rows[2]["wasted_groups"] == 2
+        assert rows[2]["wasted_ratio"] == 0.5
+
+    run(go())
+
+
 class _EveryOther:
     """A policy that takes every other fresh prompt: the ones it passes over must be queued."""
 
