@@ -240,6 +240,27 @@ def test_lag_throttle_holds_back_an_instance_that_is_too_far_behind(tmp_path):
     run(go())
 
 
+def test_lag_throttle_issues_only_the_groups_predicted_within_the_bound(tmp_path):
+    """One GetWork for many groups: with groups_per_step 2 and bound 1, an instance at the
+    trainer's version may fill the next step and the one after (4 groups), not more; the
+    groups it was given all ship within the bound."""
+
+    async def go():
+        svc, store, _ = make_service(
+            tmp_path, on_lag_exceeded="throttle", max_policy_lag_steps=1, pool_capacity=16
+        )
+        await svc.take_batch(TakeBatch(step=1, groups=2, trainer_version=0))  # learn version 0
+        w = await work(svc, n=8, version=0)
+        assert len(w.groups) == 4
+        await submit_all(svc, w, version=0)
+        assert len((await svc.take_batch(TakeBatch(1, 2, trainer_version=0))).groups) == 2
+        await svc.step_done(StepDone(1, 1))
+        assert len((await svc.take_batch(TakeBatch(2, 2, trainer_version=1))).groups) == 2
+        assert store.counters().get("dropped_groups.lag_exceeded", 0) == 0
+
+    run(go())
+
+
 def test_lag_sync_asks_the_instance_to_refit(tmp_path):
     async def go():
         svc, store, _ = make_service(tmp_path, on_lag_exceeded="sync", max_policy_lag_steps=1)
