@@ -179,6 +179,15 @@ def summarise(run: Run) -> dict[str, Any]:
         # for training: the run's share, and each step's.
         "wasted_tokens_ratio": _wasted_ratio(rows),
         "wasted_curve": [{"step": int(r["step"]), "ratio": r.get("wasted_ratio")} for r in rows],
+        # The training side's padding bubble: what the forward passes ran but did not use.
+        "padding_ratio_median": _median(
+            [
+                float(m["padding_ratio"])
+                for r in rows
+                if (m := r.get("metrics") or {}).get("padding_ratio") is not None
+            ],
+            digits=6,
+        ),
         "trainer_ranks": int((run.status("trainer") or {}).get("ranks") or 1),
         "engines": [
             {
@@ -315,6 +324,8 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"  bit-exact         {exact}",
         f"  not trained       {_not_trained(s.get('counters') or {})}",
         f"  wasted tokens     {_wasted_line(s.get('wasted_tokens_ratio'))}",
+        f"  training padding  median {s['padding_ratio_median']:.1%} of the positions the "
+        "forward passes ran were padding",
         f"  logs and state    {run.directory}",
     ]
     print("\n" + "\n".join(lines), file=out)

@@ -122,6 +122,7 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert [w["step"] for w in result["wasted_curve"]] == list(range(1, steps + 1))
     assert all(0 <= w["ratio"] < 1 for w in result["wasted_curve"])
     assert "wasted tokens     " in proc.stderr
+    assert 0 <= result["padding_ratio_median"] < 1
 
 
 # -- kill -9 during a run -----------------------------------------------------------------

@@ -289,6 +289,9 @@ class StepStats:
     samples: int
     grad_norm: float
     reward_mean: float
+    padding_ratio: float = 0.0
+    """1 - real tokens / tokens the forward passes ran (rows x columns of every micro-batch,
+    each trimmed to its longest sample): seed 000's padding bubble of the training side."""
 
 
 GradReduce = Callable[[list[nn.Parameter], dict[str, float]], None]
@@ -316,7 +319,7 @@ def train_step(
     """
     total = batch.tokens if total_tokens is None else total_tokens
     optimizer.zero_grad(set_to_none=True)
-    acc = {"loss": 0.0, "kl": 0.0, "kl_behaviour": 0.0, "clipped": 0.0}
+    acc = {"loss": 0.0, "kl": 0.0, "kl_behaviour": 0.0, "clipped": 0.0, "real": 0.0, "ran": 0.0}
     device = next(model.parameters()).device
     for micro in batch.micro_batches(config.micro_batch):
         if micro.tokens == 0:
@@ -340,8 +343,10 @@ def train_step(
             kl_coef=config.kl_coef,
         )
         loss.backward()
-        for key in acc:
+        for key in ("loss", "kl", "kl_behaviour", "clipped"):
             acc[key] += getattr(sums, key)
+        acc["real"] += float(micro.attention_mask.sum().item())
+        acc["ran"] += float(micro.attention_mask.numel())
     params = [p for p in model.parameters() if p.requires_grad]
     if reduce is not None and total:
         reduce(params, acc)  # every parameter has a gradient after it, on every rank
@@ -360,4 +365,6 @@ def train_step(
         samples=batch.size,
         grad_norm=grad_norm,
         reward_mean=float(batch.rewards.mean().item()),
+        # Summed over the ranks with the loss sums (reduce): the whole step's figure.
+        padding_ratio=1.0 - acc["real"] / acc["ran"] if acc["ran"] else 0.0,
     )

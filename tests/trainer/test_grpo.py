@@ -207,6 +207,23 @@ def test_loss_is_token_mean_and_micro_batching_does_not_change_the_gradient() ->
         assert torch.allclose(g, grads[0], rtol=1e-4, atol=1e-7)
 
 
+def test_padding_ratio_counts_what_the_forward_passes_ran_but_did_not_use() -> None:
+    """Sequences of 8, 3, 5 and 5 tokens. One micro-batch of 4 runs 4 x 8 positions for 21
+    real ones; micro-batches of 2 run 2 x 8 + 2 x 5: length-homogeneous pairs pad less."""
+    groups = [
+        _group("a", _sample([1, 2], [3, 4, 5, 6, 7, 8], 1.0), _sample([1, 2], [9], 0.0)),
+        _group("b", _sample([4, 4, 4], [5, 5], 0.0), _sample([4, 4, 4], [6, 6], 3.0)),
+    ]
+    batch = build_batch(groups)
+    assert int(batch.attention_mask.sum()) == 21
+    for micro, ran in ((4, 32), (2, 26)):
+        m = tiny_model(0)
+        stats = train_step(
+            m, torch.optim.SGD(m.parameters(), lr=0.0), batch, GRPOConfig(micro_batch=micro)
+        )
+        assert stats.padding_ratio == pytest.approx(1 - 21 / ran)
+
+
 @pytest.mark.parametrize("temperature", [0.5, 0.7, 1.5])
 def test_log_probabilities_are_taken_at_the_batch_temperature(temperature: float) -> None:
     model = tiny_model(0)
