@@ -197,11 +197,20 @@ def summarise(run: Run) -> dict[str, Any]:
                 "bit_exact": bit_exact(st),
                 "submitted_groups": int(st.get("submitted_groups") or 0),
                 "generated_tokens": int(st.get("generated_tokens") or 0),
+                "busy_s": float(st.get("busy_s") or 0.0),
             }
             for name, st in engines.items()
         ],
+        # Seed 000's instance skew: the busiest engine's time in engine steps over the mean
+        # (1.0: evenly loaded; one engine: 1.0 by definition).
+        "skewness": _skewness([float(st.get("busy_s") or 0.0) for st in engines.values()]),
         "counters": counters,
     }
+
+
+def _skewness(busy: list[float]) -> float | None:
+    mean = statistics.fmean(busy) if busy else 0.0
+    return None if mean <= 0 else round(max(busy) / mean, 4)
 
 
 def _wasted_ratio(rows: list[dict[str, Any]]) -> float | None:

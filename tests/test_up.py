@@ -123,6 +123,7 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert all(0 <= w["ratio"] < 1 for w in result["wasted_curve"])
     assert "wasted tokens     " in proc.stderr
     assert 0 <= result["padding_ratio_median"] < 1
+    assert result["skewness"] == 1.0  # one engine
 
 
 # -- kill -9 during a run -----------------------------------------------------------------
@@ -234,6 +235,9 @@ def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
         assert e["bit_exact"] is True, e
         assert e["versions_applied"] == sorted(e["versions_applied"])
         assert len(e["versions_applied"]) >= steps // 2, e
+        assert e["busy_s"] > 0, e
+    busy = [e["busy_s"] for e in engines.values()]
+    assert result["skewness"] == pytest.approx(max(busy) / (sum(busy) / 2), abs=1e-3)
     assert result["refit_bit_exact"] is True
     assert result["versions_applied"] == engines["rollout"]["versions_applied"]
     assert result["duplicate_samples"] == 0

@@ -110,6 +110,7 @@ class RolloutService(DaemonCore):
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
         self.refit_errors = 0
         self.revoked_loads = 0  # loads the apply agent revoked: this engine fell behind
+        self.busy_s = 0.0  # seconds in engine steps: seed 000's busy time of an instance
         self.failed_groups = 0
         self._last_digest: str | None = None  # what the engine reported at its last load
 
@@ -164,7 +165,9 @@ class RolloutService(DaemonCore):
             await self._get_work(room)
         if self.in_flight:
             self.activity = f"generating ({len(self.in_flight)} groups)"
+            started = time.monotonic()
             finished, self.queued = await self._call(self._step)
+            self.busy_s += time.monotonic() - started
             tokens = sum(len(s["token_ids"]) for g in finished for s in g.samples)
             self.generated_tokens += tokens
             self._rate.append((time.monotonic(), tokens))
@@ -472,6 +475,7 @@ class RolloutService(DaemonCore):
             "unverified": self.unverified,
             "refit_errors": self.refit_errors,
             "revoked_loads": self.revoked_loads,
+            "busy_s": round(self.busy_s, 3),
             "failed_groups": self.failed_groups,
             "detail": self.activity,
         }
