@@ -280,10 +280,10 @@ def _engine_lines(s: dict[str, Any]) -> list[str]:
     return [
         f"    {e['name']:<15} {len(e['versions_applied'])} versions, last "
         f"v{e['versions_applied'][-1] if e['versions_applied'] else '-'}, refit median "
-        f"{e['refit_median_s']:.3f} s, {e['submitted_groups']} groups, bit-exact "
-        f"{'yes' if e['bit_exact'] else 'NO'}"
+        f"{e['refit_median_s']:.3f} s, {e['submitted_groups']} groups, busy "
+        f"{e['busy_s']:.0f} s, bit-exact {'yes' if e['bit_exact'] else 'NO'}"
         for e in engines
-    ]
+    ] + [f"    skewness        {s['skewness']} (busiest engine's busy time / the mean)"]
 
 
 def _step_line(t: dict[str, Any]) -> str:
