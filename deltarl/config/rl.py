@@ -255,6 +255,12 @@ class SchedulerConfig(DaemonTable):
     """The share of the groups an instance asks for that an open eval round takes first
     (0 < share <= 1; training work fills the rest). 1: the round goes out whole at once and
     is measured on one version, at the cost of a short pause in training generation."""
+    straggler_ratio: float = 0.0
+    """Bench an instance whose decode rate per running group stays below this share of its
+    busy peers' median for ``straggler_window_s`` (deltarl/scheduler/stragglers.py): its work
+    is requeued and it gets none for ``straggler_cooldown_s``. 0: never."""
+    straggler_window_s: float = 30.0
+    straggler_cooldown_s: float = 60.0
     keep_steps: int = 1000
     """Steps whose records the store keeps: older checkpointed steps lose their ``steps`` row
     (the run history) and their trained prompt rows (deltarl/scheduler/retention.py). Steps
@@ -266,6 +272,9 @@ class SchedulerConfig(DaemonTable):
         positive(self, "group_size", "groups_per_step", "pool_capacity", "reward_workers")
         positive(self, "heartbeat_timeout_s", "lease_s", "reward_timeout_s", "tick_s", "wait_s")
         positive(self, "samples_grace_s", "max_sample_bytes")
+        positive(self, "straggler_window_s", "straggler_cooldown_s")
+        if not 0.0 <= self.straggler_ratio < 1.0:
+            raise ValueError(f"straggler_ratio must be in [0, 1), got {self.straggler_ratio}")
         endpoints(self, "samples")
         if self.samples is None:
             samples_endpoint(self.control)  # derivable now, not a surprise at bind time

@@ -100,6 +100,7 @@ from deltarl.scheduler.reward_scorers import make_reward_scorer
 from deltarl.scheduler.reward_stats import RewardWindow
 from deltarl.scheduler.rows import Group, PromptState, parse_group_id
 from deltarl.scheduler.store import SchedulerStore
+from deltarl.scheduler.stragglers import StragglerJudge
 from deltarl.transport.control import Handler
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
@@ -140,6 +141,9 @@ class SchedulerService(DaemonCore):
         self.store = store
         self.task = task or make_task(config.task, seed=config.seed, size=config.dataset_size)
         self.policy = policy or make_policy(config.policy)
+        self.stragglers = StragglerJudge(
+            config.straggler_ratio, config.straggler_window_s, config.straggler_cooldown_s
+        )
         self.reward_window = RewardWindow()
         self.scorer = make_reward_scorer(config, self.task, self._count_reward)
         self.monotonic = monotonic
@@ -211,6 +215,7 @@ class SchedulerService(DaemonCore):
         for name, inst in list(self.instances.items()):
             if now - inst.last_seen > self.config.heartbeat_timeout_s:
                 del self.instances[name]
+                self.stragglers.forget(name)
                 n = self.store.requeue_instance(name, "heartbeat_missed")
                 n += self.evals.requeue_instance(name, "heartbeat_missed")
                 logger.warning(
@@ -250,7 +255,31 @@ class SchedulerService(DaemonCore):
         inst.tokens_per_s = cmd.tokens_per_s
         if cmd.reports_held and isinstance(cmd.held, list):
             self._requeue_not_held(cmd.instance, cmd.session, cmd.held)
+        self._judge(inst)
         return Ok()
+
+    def _judge(self, inst: Instance) -> None:
+        """Bench ``inst`` if it straggles (deltarl/scheduler/stragglers.py)."""
+        rates = {
+            i.name: i.tokens_per_s / i.running_groups
+            for i in self.instances.values()
+            if i.running_groups > 0 and i.tokens_per_s > 0
+        }
+        if not self.stragglers.observe(inst.name, rates, self.monotonic()):
+            return
+        n = self.store.requeue_instance(inst.name, "straggler")
+        n += self.evals.requeue_instance(inst.name, "straggler")
+        self.store.bump("stragglers.benched")
+        logger.warning(
+            "instance %s straggles (%.1f tokens/s per running group, below %.0f%% of its "
+            "peers' median for %.0f s): benched for %.0f s, %d groups requeued",
+            inst.name,
+            rates.get(inst.name, 0.0),
+            100 * self.config.straggler_ratio,
+            self.config.straggler_window_s,
+            self.config.straggler_cooldown_s,
+            n,
+        )
 
     def _requeue_not_held(self, instance: str, session: str, held: list[Any]) -> None:
         """Requeue what this session was issued, does not hold, and had time to receive.
@@ -327,6 +356,9 @@ class SchedulerService(DaemonCore):
 
     def _training_work(self, cmd: GetWork, inst: Instance, max_groups: int) -> Work:
         cfg = self.config
+        benched = self.stragglers.benched_for(inst.name, self.monotonic())
+        if benched is not None:
+            return self._wait(f"straggler: benched, back in {benched:.0f} s")
         gate = self._lag_gate(inst.weight_version)
         if isinstance(gate, Work):
             return gate
@@ -653,6 +685,7 @@ class SchedulerService(DaemonCore):
                     "running_groups": i.running_groups,
                     "queue_depth": i.queue_depth,
                     "tokens_per_s": i.tokens_per_s,
+                    "benched_s": self.stragglers.benched_for(i.name, now),
                 }
                 for i in self.instances.values()
             },

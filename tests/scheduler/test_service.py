@@ -12,6 +12,7 @@ from deltarl.rl.protocol import (
     Batch,
     Checkpointed,
     GetHistory,
+    Heartbeat,
     History,
     StepDone,
     SubmitGroup,
@@ -315,6 +316,48 @@ def test_wasted_tokens_are_the_stale_groups_tokens_recorded_with_the_next_step(t
     run(go())
 
 
+def test_a_straggler_is_benched_its_work_requeued_and_it_rejoins_after_the_cooldown(tmp_path):
+    """Three busy instances; c decodes at a tenth of its peers' rate per running group. After
+    the 30 s window it is benched: its groups go back to the queue, it gets no work, and after
+    the 60 s cooldown it gets work again. A blip shorter than the window benches nobody."""
+
+    async def beat(svc, name: str, rate: float) -> None:
+        await svc.heartbeat(Heartbeat(name, "s1", weight_version=0, running_groups=2,
+                                      tokens_per_s=rate))  # fmt: skip
+
+    async def go():
+        svc, store, clock = make_service(
+            tmp_path, straggler_ratio=0.3, straggler_window_s=30.0, straggler_cooldown_s=60.0,
+            pool_capacity=32,
+        )  # fmt: skip
+        for name in ("a", "b", "c"):
+            await work(svc, instance=name, n=2)
+        for _ in range(2):  # a 20 s blip: within the window
+            for name, rate in (("a", 100.0), ("b", 120.0), ("c", 10.0)):
+                await beat(svc, name, rate)
+            clock.advance(10.0)
+        await beat(svc, "c", 100.0)  # recovered: the window starts again
+        assert store.counters().get("stragglers.benched", 0) == 0
+        for _ in range(4):
+            for name, rate in (("a", 100.0), ("b", 120.0), ("c", 10.0)):
+                await beat(svc, name, rate)
+            clock.advance(10.0)
+        assert store.counters()["stragglers.benched"] == 1
+        assert store.counters()["requeued.straggler"] == 2
+        assert not [g for g in store.groups(PromptState.ISSUED) if g.instance == "c"]
+        held = await work(svc, instance="c", n=2)
+        assert held.groups == []
+        assert held.reason.startswith("straggler: benched")
+        assert svc.status_fields()["instances"]["c"]["benched_s"] > 0
+        assert len((await work(svc, instance="a", n=2)).groups) == 2  # the others go on
+        clock.advance(61.0)
+        for name, rate in (("a", 100.0), ("b", 120.0)):
+            await beat(svc, name, rate)
+        assert len((await work(svc, instance="c", n=2)).groups) == 2  # back, judged again
+
+    run(go())
+
+
 class _EveryOther:
     """A policy that takes every other fresh prompt: the ones it passes over must be queued."""
 
@@ -392,3 +435,9 @@ def test_a_batch_carries_the_temperature_its_groups_were_sampled_at(tmp_path, te
         assert batch.temperature == temperature  # the trainer's log-probs are taken at it
 
     run(go())
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 2.0])
+def test_a_straggler_ratio_outside_0_1_is_refused(tmp_path, ratio):
+    with pytest.raises(ValueError, match=r"straggler_ratio must be in \[0, 1\)"):
+        make_service(tmp_path, straggler_ratio=ratio)
