@@ -1,0 +1,126 @@
+"""`deltarl bench schedule`: one workload through each dispatch policy, side by side.
+
+The model half of issue-12's benchmark: ``deltarl/sim/schedule_model.py`` replays a long-tailed
+workload (log-normal output lengths with a heavy tail, groups of n samples per prompt), or a
+trace (``--workload FILE``: a JSON list of ``{"prompt_tokens": int, "output_tokens": [int,
+...]}``), through ``sync``, ``least_requests`` and ``deltarl`` on ``--instances`` continuous-
+batching instances, and prints their figures and the speedups. ``--cost FILE`` replaces the
+cost model's knobs (a JSON object of ``CostModel`` fields).
+
+With ``--json``, exactly one JSON object on stdout:
+
+    {"workload": str, "instances": int,
+     "policies": {"sync": M, "least_requests": M, "deltarl": M},
+     "speedup_vs_sync": float, "speedup_vs_least_requests": float, "real": null}
+
+M = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait"} (floats). ``real``, the
+same policies on the real rollout daemons, is not built yet: it is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from deltarl.sim.schedule_model import (
+    POLICIES,
+    CostModel,
+    Workload,
+    from_trace,
+    long_tailed,
+    run_policy,
+)
+
+
+def run(
+    workload: Workload,
+    cost: CostModel,
+    instances: int,
+    groups_per_step: int,
+    train_s: float,
+    refit_s: float,
+) -> dict[str, Any]:
+    figures = {
+        p: run_policy(p, workload, cost, instances, groups_per_step, train_s, refit_s)
+        for p in POLICIES
+    }
+    policies = {
+        p: {
+            "throughput_tok_s": f.throughput_tok_s,
+            "padding_ratio": f.padding_ratio,
+            "skewness": f.skewness,
+            "sorting_wait": f.sorting_wait,
+        }
+        for p, f in figures.items()
+    }
+    ours = figures["deltarl"].throughput_tok_s
+    return {
+        "workload": workload.name,
+        "instances": instances,
+        "policies": policies,
+        "speedup_vs_sync": ours / figures["sync"].throughput_tok_s,
+        "speedup_vs_least_requests": ours / figures["least_requests"].throughput_tok_s,
+        "real": None,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"workload {result['workload']} on {result['instances']} instances (model)"]
+    lines.append(
+        f"  {'policy':<16}{'tokens/s':>12}{'padding':>10}{'skewness':>10}{'sorting wait':>14}"
+    )
+    for name, m in result["policies"].items():
+        lines.append(
+            f"  {name:<16}{m['throughput_tok_s']:>12.0f}{m['padding_ratio']:>10.3f}"
+            f"{m['skewness']:>10.3f}{m['sorting_wait']:>14.3f}"
+        )
+    lines.append(
+        f"  deltarl: {result['speedup_vs_sync']:.2f}x sync, "
+        f"{result['speedup_vs_least_requests']:.3f}x least_requests"
+    )
+    return "\n".join(lines)
+
+
+def _trace(path: Path) -> Workload:
+    entries = orjson.loads(path.read_bytes())
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path}: a workload file is a non-empty JSON list of prompt groups")
+    return from_trace(entries, str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="deltarl bench schedule", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--workload", type=Path, help="a trace: JSON list of prompt groups")
+    ap.add_argument("--prompts", type=int, default=2048, help="synthetic prompts (default 2048)")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
+    ap.add_argument("--instances", type=int, default=32, help="instances (default 32)")
+    ap.add_argument("--groups-per-step", type=int, default=128, help="default 128")
+    ap.add_argument("--train-s", type=float, default=3.0, help="seconds per training step")
+    ap.add_argument("--refit-s", type=float, default=1.0, help="seconds per refit (sync)")
+    ap.add_argument("--cost", type=Path, help="JSON object of CostModel fields")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if min(args.prompts, args.n, args.instances, args.groups_per_step) < 1:
+        ap.error("--prompts, --n, --instances and --groups-per-step must be at least 1")
+    try:
+        cost = CostModel(**orjson.loads(args.cost.read_bytes())) if args.cost else CostModel()
+        if args.workload:
+            workload = _trace(args.workload)
+        else:
+            workload = long_tailed(prompts=args.prompts, n=args.n, seed=args.seed)
+    except (OSError, ValueError, TypeError, orjson.JSONDecodeError) as e:
+        print(f"deltarl bench schedule: {e}", file=sys.stderr)
+        return 2
+    result = run(workload, cost, args.instances, args.groups_per_step, args.train_s, args.refit_s)
+    if args.json:
+        sys.stdout.write(orjson.dumps(result).decode() + "\n")
+    else:
+        print(render(result))
+        print(f"  cost model: {dataclasses.asdict(cost)}")
+    return 0

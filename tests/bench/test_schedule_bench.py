@@ -1,0 +1,89 @@
+"""`deltarl bench schedule --json`: the contract's keys and types, and what the model must show
+whatever its knobs: the synchronous loop, which waits for each step's longest sample and then
+for training and refit with every instance idle, is the slowest; length-sorted micro-batches
+pad less; a trace file replays, and a bad one is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from deltarl.sim.schedule_model import CostModel, PromptGroup, Workload, run_policy
+
+METRICS = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait"}
+
+
+def _bench(*args: str) -> tuple[int, dict[str, Any] | None, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "bench", "schedule", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = proc.stdout.strip().splitlines()
+    return proc.returncode, (orjson.loads(lines[0]) if lines else None), proc.stderr
+
+
+def test_the_json_contract_and_the_synchronous_loop_is_slowest() -> None:
+    code, result, err = _bench("--prompts", "256", "--instances", "8", "--groups-per-step", "32")
+    assert code == 0, err
+    assert result is not None
+    assert set(result) == {
+        "workload",
+        "instances",
+        "policies",
+        "speedup_vs_sync",
+        "speedup_vs_least_requests",
+        "real",
+    }
+    assert result["instances"] == 8
+    assert result["real"] is None  # the real-engine half is not built
+    assert set(result["policies"]) == {"sync", "least_requests", "deltarl"}
+    for m in result["policies"].values():
+        assert set(m) == METRICS
+        assert all(isinstance(v, float) for v in m.values())
+        assert m["throughput_tok_s"] > 0
+        assert 0 <= m["padding_ratio"] < 1
+        assert m["skewness"] >= 1
+    p = result["policies"]
+    assert p["sync"]["throughput_tok_s"] < p["least_requests"]["throughput_tok_s"]
+    assert result["speedup_vs_sync"] > 1
+    assert p["deltarl"]["padding_ratio"] < p["least_requests"]["padding_ratio"]
+
+
+def test_a_trace_replays_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    trace.write_bytes(
+        orjson.dumps(
+            [{"prompt_tokens": 100 + i, "output_tokens": [50 * (i % 7 + 1)] * 4} for i in range(64)]
+        )
+    )
+    code, result, err = _bench("--workload", str(trace), "--instances", "4")
+    assert code == 0, err
+    assert result is not None
+    assert result["workload"] == str(trace)
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(orjson.dumps([{"prompt_tokens": 10, "output_tokens": []}]))
+    code, result, err = _bench("--workload", str(bad))
+    assert code == 2
+    assert result is None
+    assert "output_tokens" in err
+
+
+def test_one_instance_one_group_takes_the_cost_models_time() -> None:
+    """The model's arithmetic: one group of two samples (3 and 5 tokens after a 10-token
+    prompt) on one instance: prefill, then 3 steps of 2 sequences and 2 steps of one."""
+    cost = CostModel(decode_base_s=1.0, decode_per_seq_s=0.5, decode_per_kctx_s=0.0,
+                     prefill_per_token_s=0.1, max_seqs=8)  # fmt: skip
+    w = Workload("one", (PromptGroup(10, (3, 5)),), (8.0,))
+    f = run_policy("least_requests", w, cost, 1, groups_per_step=1, train_s=0.0, refit_s=0.0)
+    expected = 2 * 10 * 0.1 + 3 * (1.0 + 0.5 * 2) + 2 * (1.0 + 0.5)
+    assert f.wall_s == pytest.approx(expected)
+    assert f.throughput_tok_s == pytest.approx(8 / expected)
+    assert f.skewness == pytest.approx(1.0)
