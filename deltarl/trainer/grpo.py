@@ -116,6 +116,16 @@ class GRPOBatch:
             self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)}
         )
 
+    def by_length(self) -> GRPOBatch:
+        """The same samples ordered by sequence length (stable: ties keep their order), so
+        that consecutive micro-batches hold similar lengths and each, trimmed to its longest
+        sample, runs little padding. The loss is a sum over samples, so their order changes
+        nothing but the rounding of the sums; it is deterministic, so replays are equal."""
+        order = torch.argsort(self.attention_mask.sum(dim=1), stable=True)
+        return dataclasses.replace(
+            self, **{f.name: getattr(self, f.name)[order] for f in dataclasses.fields(self)}
+        )
+
     def micro_batches(self, size: int) -> Iterator[GRPOBatch]:
         """Consecutive slices of at most ``size`` samples, in order (deterministic)."""
         if size <= 0:
@@ -321,7 +331,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     acc = {"loss": 0.0, "kl": 0.0, "kl_behaviour": 0.0, "clipped": 0.0, "real": 0.0, "ran": 0.0}
     device = next(model.parameters()).device
-    for micro in batch.micro_batches(config.micro_batch):
+    # Length-sorted micro-batches: training's padding bubble (seed 000), cut where it arises.
+    for micro in batch.by_length().micro_batches(config.micro_batch):
         if micro.tokens == 0:
             continue  # nothing to learn from, and a forward pass would cost for nothing
         micro = micro.to(device)  # noqa: PLW2901 - the same micro-batch, on the model's device

@@ -207,21 +207,26 @@ def test_loss_is_token_mean_and_micro_batching_does_not_change_the_gradient() ->
         assert torch.allclose(g, grads[0], rtol=1e-4, atol=1e-7)
 
 
-def test_padding_ratio_counts_what_the_forward_passes_ran_but_did_not_use() -> None:
-    """Sequences of 8, 3, 5 and 5 tokens. One micro-batch of 4 runs 4 x 8 positions for 21
-    real ones; micro-batches of 2 run 2 x 8 + 2 x 5: length-homogeneous pairs pad less."""
+def test_micro_batches_are_length_sorted_and_the_padding_ratio_says_what_they_ran() -> None:
+    """Sequences of 8, 3, 8 and 3 tokens (22 real). In the order given, micro-batches of 2 run
+    2 x 8 twice (32 positions); sorted by length they run 2 x 3 and 2 x 8 (22: no padding).
+    One micro-batch of 4 runs 4 x 8 either way. Sorting changes no figure but the padding."""
     groups = [
         _group("a", _sample([1, 2], [3, 4, 5, 6, 7, 8], 1.0), _sample([1, 2], [9], 0.0)),
-        _group("b", _sample([4, 4, 4], [5, 5], 0.0), _sample([4, 4, 4], [6, 6], 3.0)),
+        _group("b", _sample([4, 4], [5, 5, 5, 5, 5, 5], 0.0), _sample([4, 4], [6], 3.0)),
     ]
     batch = build_batch(groups)
-    assert int(batch.attention_mask.sum()) == 21
-    for micro, ran in ((4, 32), (2, 26)):
+    assert batch.attention_mask.sum(dim=1).tolist() == [8, 3, 8, 3]
+    assert batch.by_length().attention_mask.sum(dim=1).tolist() == [3, 3, 8, 8]
+    stats = {}
+    for micro in (2, 4):
         m = tiny_model(0)
-        stats = train_step(
-            m, torch.optim.SGD(m.parameters(), lr=0.0), batch, GRPOConfig(micro_batch=micro)
-        )
-        assert stats.padding_ratio == pytest.approx(1 - 21 / ran)
+        config = GRPOConfig(micro_batch=micro, max_grad_norm=0)
+        stats[micro] = train_step(m, torch.optim.SGD(m.parameters(), lr=0.0), batch, config)
+    assert stats[2].padding_ratio == pytest.approx(0.0)
+    assert stats[4].padding_ratio == pytest.approx(1 - 22 / 32)
+    assert stats[2].loss == pytest.approx(stats[4].loss, abs=1e-6)
+    assert stats[2].tokens == stats[4].tokens == 14
 
 
 @pytest.mark.parametrize("temperature", [0.5, 0.7, 1.5])
