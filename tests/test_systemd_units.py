@@ -269,6 +269,7 @@ def test_config_example_shows_each_rl_daemon_table(tmp_path: Path, name: str) ->
             "lr",
             "groups_per_step",
             "ranks",
+            "device",
             "threads",
         },
         "scheduler": {
