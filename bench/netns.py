@@ -23,6 +23,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+from typing import Self
 
 PREFIX = "drlbench"
 IP = shutil.which("ip") or "/usr/sbin/ip"
@@ -82,7 +83,62 @@ def check_privilege() -> str | None:
     return None
 
 
-class ShapedLink:
+class _Namespaces:
+    """The life of a set of namespaces made by this process: ``up`` checks the privilege,
+    removes stale ones of crashed runs, registers ``down`` at exit and builds them
+    (``_build``), undoing everything if a step fails; ``down`` deletes the namespaces, and
+    any veth end a failed set-up left in the root namespace. Safe to call twice."""
+
+    namespaces: tuple[str, ...]
+    root_devices: tuple[str, ...]
+    """One end of each veth pair: the name it has while still in the root namespace."""
+
+    def __init__(self) -> None:
+        self._up = False
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def up(self) -> Self:
+        why = check_privilege()
+        if why is not None:
+            raise NetnsError(why)
+        clean_stale()
+        atexit.register(self.down)
+        self._up = True
+        try:
+            for ns in self.namespaces:
+                _run(IP, "netns", "add", ns)
+                _run(IP, "-n", ns, "link", "set", "lo", "up")
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        if not self._up:
+            return
+        self._up = False
+        for ns in self.namespaces:
+            with contextlib.suppress(NetnsError, FileNotFoundError):
+                _run(IP, "netns", "delete", ns)
+        links = _run(IP, "-o", "link", "show")
+        for dev in self.root_devices:
+            if dev in links:  # left in the root namespace by a failed set-up
+                with contextlib.suppress(NetnsError):
+                    _run(IP, "link", "delete", dev)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.down)
+
+    def __enter__(self) -> Self:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+class ShapedLink(_Namespaces):
     """Two namespaces and a veth pair shaped by tbf to ``rate_mbit`` in each direction."""
 
     def __init__(self, rate_mbit: float) -> None:
@@ -94,57 +150,23 @@ class ShapedLink:
         self.dev_a, self.dev_b = f"drl{pid % 100000}a", f"drl{pid % 100000}b"
         x = pid % 256
         self.addr_a, self.addr_b = f"10.231.{x}.1", f"10.231.{x}.2"
-        self._up = False
+        self.namespaces, self.root_devices = (self.ns_a, self.ns_b), (self.dev_a,)
+        super().__init__()
 
     def exec_prefix(self, side: str) -> list[str]:
         """The command prefix that runs a process in namespace ``a`` or ``b``."""
         return [IP, "netns", "exec", self.ns_a if side == "a" else self.ns_b]
 
-    def up(self) -> ShapedLink:
-        why = check_privilege()
-        if why is not None:
-            raise NetnsError(why)
-        clean_stale()
-        atexit.register(self.down)
-        self._up = True
-        try:
-            _run(IP, "netns", "add", self.ns_a)
-            _run(IP, "netns", "add", self.ns_b)
-            _run(IP, "link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
-            _run(IP, "link", "set", self.dev_a, "netns", self.ns_a)
-            _run(IP, "link", "set", self.dev_b, "netns", self.ns_b)
-            for ns, dev, addr in (
-                (self.ns_a, self.dev_a, self.addr_a),
-                (self.ns_b, self.dev_b, self.addr_b),
-            ):
-                _run(IP, "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-                _run(IP, "-n", ns, "link", "set", dev, "up")
-                _run(IP, "-n", ns, "link", "set", "lo", "up")
-                _shape(ns, dev, self.rate_mbit)
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def down(self) -> None:
-        """Delete both namespaces (the veth pair goes with them); safe to call twice."""
-        if not self._up:
-            return
-        self._up = False
-        for ns in (self.ns_a, self.ns_b):
-            with contextlib.suppress(NetnsError, FileNotFoundError):
-                _run(IP, "netns", "delete", ns)
-        if self.dev_a in _run(IP, "-o", "link", "show"):  # left in the root namespace
-            with contextlib.suppress(NetnsError):
-                _run(IP, "link", "delete", self.dev_a)
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.down)
-
-    def __enter__(self) -> ShapedLink:
-        return self.up()
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
+    def _build(self) -> None:
+        _run(IP, "link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
+        for ns, dev, addr in (
+            (self.ns_a, self.dev_a, self.addr_a),
+            (self.ns_b, self.dev_b, self.addr_b),
+        ):
+            _run(IP, "link", "set", dev, "netns", ns)
+            _run(IP, "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _run(IP, "-n", ns, "link", "set", dev, "up")
+            _shape(ns, dev, self.rate_mbit)
 
 
 def _shape(ns: str, dev: str, rate_mbit: float) -> None:
@@ -154,7 +176,7 @@ def _shape(ns: str, dev: str, rate_mbit: float) -> None:
          "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
 
 
-class ThreeHosts:
+class ThreeHosts(_Namespaces):
     """Hosts A, B, C as namespaces: A - B plain, B - C shaped to ``rate_mbit``, B routing."""
 
     def __init__(self, rate_mbit: float) -> None:
@@ -167,7 +189,9 @@ class ThreeHosts:
         # veth ends: (namespace, device, address/24) for the A-B and B-C links
         self._ab = (("a", f"{tag}ab", "10.10.0.1"), ("b", f"{tag}ba", "10.10.0.2"))
         self._bc = (("b", f"{tag}bc", "10.10.1.1"), ("c", f"{tag}cb", "10.10.1.2"))
-        self._up = False
+        self.namespaces = tuple(self.ns.values())
+        self.root_devices = (self._ab[0][1], self._bc[0][1])
+        super().__init__()
 
     def exec_prefix(self, host: str) -> list[str]:
         """The command prefix that runs a process on host ``a``, ``b`` or ``c``."""
@@ -180,51 +204,15 @@ class ThreeHosts:
         words = out.split()
         return int(words[words.index("Sent") + 1])
 
-    def up(self) -> ThreeHosts:
-        why = check_privilege()
-        if why is not None:
-            raise NetnsError(why)
-        clean_stale()
-        atexit.register(self.down)
-        self._up = True
-        try:
-            for ns in self.ns.values():
-                _run(IP, "netns", "add", ns)
-                _run(IP, "-n", ns, "link", "set", "lo", "up")
-            for (h1, d1, a1), (h2, d2, a2) in (self._ab, self._bc):
-                _run(IP, "link", "add", d1, "type", "veth", "peer", "name", d2)
-                for host, dev, addr in ((h1, d1, a1), (h2, d2, a2)):
-                    _run(IP, "link", "set", dev, "netns", self.ns[host])
-                    _run(IP, "-n", self.ns[host], "addr", "add", f"{addr}/24", "dev", dev)
-                    _run(IP, "-n", self.ns[host], "link", "set", dev, "up")
-            for host, dev, _ in self._bc:  # both directions of B - C (acks too)
-                _shape(self.ns[host], dev, self.rate_mbit)
-            _run(IP, "-n", self.ns["a"], "route", "add", "10.10.1.0/24", "via", "10.10.0.2")
-            _run(IP, "-n", self.ns["c"], "route", "add", "10.10.0.0/24", "via", "10.10.1.1")
-            _run(IP, "netns", "exec", self.ns["b"], "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def down(self) -> None:
-        """Delete the namespaces (the veth pairs go with them); safe to call twice."""
-        if not self._up:
-            return
-        self._up = False
-        for ns in self.ns.values():
-            with contextlib.suppress(NetnsError, FileNotFoundError):
-                _run(IP, "netns", "delete", ns)
-        links = _run(IP, "-o", "link", "show")
-        for (_, dev, _), _peer in (self._ab, self._bc):
-            if dev in links:  # left in the root namespace by a failed set-up
-                with contextlib.suppress(NetnsError):
-                    _run(IP, "link", "delete", dev)
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.down)
-
-    def __enter__(self) -> ThreeHosts:
-        return self.up()
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
+    def _build(self) -> None:
+        for (h1, d1, a1), (h2, d2, a2) in (self._ab, self._bc):
+            _run(IP, "link", "add", d1, "type", "veth", "peer", "name", d2)
+            for host, dev, addr in ((h1, d1, a1), (h2, d2, a2)):
+                _run(IP, "link", "set", dev, "netns", self.ns[host])
+                _run(IP, "-n", self.ns[host], "addr", "add", f"{addr}/24", "dev", dev)
+                _run(IP, "-n", self.ns[host], "link", "set", dev, "up")
+        for host, dev, _ in self._bc:  # both directions of B - C (acks too)
+            _shape(self.ns[host], dev, self.rate_mbit)
+        _run(IP, "-n", self.ns["a"], "route", "add", "10.10.1.0/24", "via", "10.10.0.2")
+        _run(IP, "-n", self.ns["c"], "route", "add", "10.10.0.0/24", "via", "10.10.1.1")
+        _run(IP, "netns", "exec", self.ns["b"], "sysctl", "-qw", "net.ipv4.ip_forward=1")
