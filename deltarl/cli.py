@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     sub.add_parser("keys", help="make the CURVE keys for tcp:// control sockets", add_help=False)
     sub.add_parser("model", help="build a model directory deltarl ships, once", add_help=False)
     sub.add_parser(
+        "plan", help="plan a task's prompts: lengths, batches, schedule groups", add_help=False
+    )
+    sub.add_parser(
         "layout",
         help="write a model's published layout (an apply agent's layout_file)",
         add_help=False,
@@ -77,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl import host_setup  # noqa: PLC0415 - only when used
 
         return host_setup.model_main(rest)
+    if args.command == "plan":
+        from deltarl.scheduler import plan_cli  # noqa: PLC0415 - only when used
+
+        return plan_cli.main(rest)
     if args.command == "layout":
         from deltarl import host_setup  # noqa: PLC0415 - only when used
 

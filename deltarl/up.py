@@ -134,6 +134,8 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "pool_capacity": 4 * args.groups_per_step,
             "max_policy_lag_steps": args.max_policy_lag,
             "on_lag_exceeded": args.on_lag_exceeded,
+            "policy": args.policy,
+            **({"plan": str(args.plan.resolve())} if args.plan is not None else {}),
             "seed": args.seed,
             "sampling": {
                 "temperature": args.temperature,
@@ -234,6 +236,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="max_policy_lag_steps of the scheduler (default 1)",
     )
     ap.add_argument("--on-lag-exceeded", choices=("throttle", "drop", "sync"), default="throttle")
+    ap.add_argument(
+        "--policy",
+        choices=("fifo", "least_requests", "sync", "deltarl"),
+        default="fifo",
+        help="the scheduler's dispatch policy (default fifo; sync: the synchronous baseline)",
+    )
+    ap.add_argument(
+        "--plan",
+        type=Path,
+        help="an offline plan from `deltarl plan` (its task, seed and step shape must match)",
+    )
     ap.add_argument("--lr", type=float, help="the trainer's AdamW lr (default: the model's)")
     ap.add_argument(
         "--temperature",

@@ -188,6 +188,17 @@ def summarise(run: Run) -> dict[str, Any]:
             ],
             digits=6,
         ),
+        # Seed 000's sorting wait (pool wait over generation time, per step) and, with a
+        # plan, how far the length predictions were (|actual - predicted| / actual).
+        "sorting_wait_median": _median(
+            [float(r["sorting_wait"]) for r in rows if r.get("sorting_wait") is not None],
+            digits=4,
+        ),
+        "length_error_median": _median(
+            [float(r["length_error"]) for r in rows if r.get("length_error") is not None],
+            digits=4,
+        ),
+        "policy": str(history.config.get("policy", "fifo")),
         "trainer_ranks": int((run.status("trainer") or {}).get("ranks") or 1),
         "engines": [
             {
@@ -198,14 +209,29 @@ def summarise(run: Run) -> dict[str, Any]:
                 "submitted_groups": int(st.get("submitted_groups") or 0),
                 "generated_tokens": int(st.get("generated_tokens") or 0),
                 "busy_s": float(st.get("busy_s") or 0.0),
+                "prefix_cache_hit_rate": (st.get("prefix_cache") or {}).get("hit_rate"),
             }
             for name, st in engines.items()
         ],
+        # Prompt tokens the engines' prefix caches served (GRPO samples of one prompt share
+        # its prefix within a weight version), pooled over the engines.
+        "prefix_cache_hit_rate": _hit_rate(engines),
         # Seed 000's instance skew: the busiest engine's time in engine steps over the mean
         # (1.0: evenly loaded; one engine: 1.0 by definition).
         "skewness": _skewness([float(st.get("busy_s") or 0.0) for st in engines.values()]),
         "counters": counters,
     }
+
+
+def _hit_rate(engines: dict[str, dict[str, Any]]) -> float | None:
+    caches = [st.get("prefix_cache") or {} for st in engines.values()]
+    prompt = sum(int(c.get("prompt_tokens") or 0) for c in caches)
+    cached = sum(int(c.get("cached_tokens") or 0) for c in caches)
+    return round(cached / prompt, 4) if prompt else None
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else value
 
 
 def _skewness(busy: list[float]) -> float | None:
@@ -335,6 +361,15 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"  wasted tokens     {_wasted_line(s.get('wasted_tokens_ratio'))}",
         f"  training padding  median {s['padding_ratio_median']:.1%} of the positions the "
         "forward passes ran were padding",
+        f"  prefix cache      {_f(s.get('prefix_cache_hit_rate'))} of prompt tokens served "
+        "from cache (pooled over the engines)",
+        f"  dispatch          {s['policy']}; sorting wait median "
+        f"{_f(_finite(s.get('sorting_wait_median')))} of a group's generation time"
+        + (
+            f"; length predictions off by {s['length_error_median']:.0%} (median)"
+            if _finite(s.get("length_error_median")) is not None
+            else ""
+        ),
         f"  logs and state    {run.directory}",
     ]
     print("\n" + "\n".join(lines), file=out)

@@ -124,6 +124,13 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert "wasted tokens     " in proc.stderr
     assert 0 <= result["padding_ratio_median"] < 1
     assert result["skewness"] == 1.0  # one engine
+    assert result["policy"] == "fifo"
+    # Measured, not asserted high: the tiny task's prompts are shorter than one KV block,
+    # and only whole blocks are cached (tests/rollout/test_vllm_engine.py checks real hits).
+    assert 0 <= result["prefix_cache_hit_rate"] <= 1
+    assert result["sorting_wait_median"] >= 0
+    assert result["length_error_median"] is None  # no plan: nothing predicted
+    assert "dispatch          fifo; sorting wait median" in proc.stderr
 
 
 # -- kill -9 during a run -----------------------------------------------------------------

@@ -201,7 +201,11 @@ class SchedulerConfig(DaemonTable):
     task: str = "default"
     """The task by name (deltarl.rl.task.tasks()): prompts and reward."""
     policy: str = "fifo"
-    """The dispatch policy by name (deltarl.scheduler.policy.POLICIES)."""
+    """The dispatch policy by name (deltarl.scheduler.policy.POLICIES): fifo, least_requests,
+    sync (the synchronous baseline) or deltarl (predicted wait, longest first)."""
+    plan: Path | None = None
+    """An offline plan (``deltarl plan``): prompts issued in its order, predictions from it,
+    corrected online (deltarl/scheduler/plan_view.py). None: dataset order, no predictions."""
     group_size: int = 8
     """Samples per prompt (GRPO's group)."""
     groups_per_step: int = 8
@@ -301,4 +305,5 @@ class SchedulerConfig(DaemonTable):
         """The configuration as plain JSON values (the run metadata)."""
         record = dataclasses.asdict(self)
         record["db"] = str(self.db)
+        record["plan"] = None if self.plan is None else str(self.plan)
         return record

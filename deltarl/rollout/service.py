@@ -95,6 +95,8 @@ class RolloutService(DaemonCore):
         self.sync_to: int | None = None
         self.activity = "starting"
         self.generated_tokens = 0
+        self.prompt_tokens = 0  # prompt tokens of the finished samples
+        self.cached_prompt_tokens = 0  # of which the prefix cache served
         self.submitted_groups = 0
         self.reward_waits = 0  # submits answered reward_unavailable, to be tried again
         self.refused_groups = 0
@@ -170,6 +172,11 @@ class RolloutService(DaemonCore):
             self.busy_s += time.monotonic() - started
             tokens = sum(len(s["token_ids"]) for g in finished for s in g.samples)
             self.generated_tokens += tokens
+            for group in finished:
+                # Prefill the prefix cache saved: prompt tokens taken from cached blocks
+                # (the version-salted cache of the engine: within one weight version only).
+                self.prompt_tokens += sum(len(x["prompt_token_ids"]) for x in group.samples)
+                self.cached_prompt_tokens += sum(group.cached_tokens)
             self._rate.append((time.monotonic(), tokens))
             for group in finished:
                 await self._submit(group.group_id, group.samples)
@@ -476,6 +483,13 @@ class RolloutService(DaemonCore):
             "refit_errors": self.refit_errors,
             "revoked_loads": self.revoked_loads,
             "busy_s": round(self.busy_s, 3),
+            "prefix_cache": {
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_prompt_tokens,
+                "hit_rate": round(self.cached_prompt_tokens / self.prompt_tokens, 4)
+                if self.prompt_tokens
+                else None,
+            },
             "failed_groups": self.failed_groups,
             "detail": self.activity,
         }

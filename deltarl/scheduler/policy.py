@@ -6,15 +6,29 @@ enforces everything that must hold whatever the policy does (pool capacity, the 
 dataset's end), and the store makes the choice durable. A policy may pick fresh prompts out of
 order (say, by predicted length): the store queues the ones it passed over, so none is skipped.
 
-``FifoLeastLoaded`` is the default. The length-aware policies of the next issue (predicted
-output length, length-homogeneous batches, long/short-mixed groups) implement the same
-``DispatchPolicy`` and are chosen by name with ``make_policy``.
+Policies, chosen by name (``policy = "..."`` in the scheduler's table, ``make_policy``):
+
+- ``fifo`` / ``least_requests``: queued prompts first, then fresh ones in order, no instance
+  holding more than its share of groups: the common asynchronous dispatch, which balances
+  request counts whatever their lengths.
+- ``sync``: the same dealing, with the lag gate forced to 0 (``max_lag``): one step of groups
+  is issued, generated to the last sample, trained and refitted before the next is issued.
+  The synchronous RL loop, as a baseline in the same code.
+- ``deltarl``: seed 000's queue-aware dispatch. Each instance's predicted wait is the
+  predicted tokens of the groups it holds over its measured throughput; the candidates (a
+  look-ahead window of the dataset, in plan order when a plan is loaded) go longest predicted
+  first, as many as may be issued now, each to the instance whose wait is least (LPT), and
+  the asking instance gets the ones that fall to it. Without predictions every group counts
+  one, so the split follows measured throughput alone. Long and short prompts mix on every
+  instance, and a slower instance gets less. All samples of a prompt are one group, issued
+  to one instance in one request, so they share its prefix cache within a weight version by
+  construction.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +44,8 @@ class InstanceLoad:
     queue_depth: int = 0
     tokens_per_s: float = 0.0
     weight_version: int | None = None
+    predicted_tokens: float = 0.0
+    """Predicted completion tokens of the groups it holds (all their samples)."""
 
 
 @dataclass(frozen=True)
@@ -46,10 +62,22 @@ class Candidates:
 
     queued: Sequence[int]
     fresh: Sequence[int]
+    predicted: Mapping[int, float] | None = None
+    """Predicted completion tokens of each candidate group; None: no prediction."""
 
 
 class DispatchPolicy(Protocol):
     name: str
+
+    @property
+    def lookahead(self) -> int:
+        """Fresh prompts the service offers beyond what may be issued now (0: just those)."""
+        ...
+
+    @property
+    def max_lag(self) -> int | None:
+        """A lag bound the policy imposes on the throttle gate (None: the configured one)."""
+        ...
 
     def choose(
         self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates
@@ -69,6 +97,8 @@ class FifoLeastLoaded:
     """
 
     name: str = "fifo"
+    lookahead: int = 0
+    max_lag: int | None = None
 
     def choose(
         self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates
@@ -81,7 +111,65 @@ class FifoLeastLoaded:
         return [*candidates.queued, *candidates.fresh][:n]
 
 
-POLICIES: dict[str, type[FifoLeastLoaded]] = {"fifo": FifoLeastLoaded}
+@dataclass(frozen=True)
+class PredictedWait:
+    """Seed 000's dispatch: longest predicted first, to the least predicted wait (module
+    docstring). ``lookahead``: how far past the cursor it may pick."""
+
+    name: str = "deltarl"
+    lookahead: int = 64
+    max_lag: int | None = None
+
+    def choose(
+        self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates
+    ) -> list[int]:
+        cap = max(0, min(request.max_groups, request.room))
+        if cap == 0:
+            return []
+        rates = {i.name: i.tokens_per_s for i in instances if i.tokens_per_s > 0}
+        known = sum(rates.values()) / len(rates) if rates else 1.0  # unmeasured: the peers' mean
+        wait: dict[str, float] = {}
+        rate: dict[str, float] = {}
+        for i in [*instances, InstanceLoad(request.instance, 0)]:
+            if i.name not in wait:
+                rate[i.name] = rates.get(i.name, known)
+                wait[i.name] = i.predicted_tokens / rate[i.name]
+        predicted = candidates.predicted or {}
+        queued = list(candidates.queued)
+        # Queued prompts were passed over or taken back: they go before fresh ones, longest
+        # first among them, so none waits behind the window for ever.
+        ranked = sorted(queued, key=lambda p: (-predicted.get(p, 1.0), p)) + sorted(
+            (p for p in candidates.fresh if p not in set(queued)),
+            key=lambda p: (-predicted.get(p, 1.0), p),
+        )
+        chosen: list[int] = []
+        # What may be issued now (the room) is shared out, not the whole look-ahead: the asker
+        # gets the part of it that falls to it; the look-ahead only chooses which prompts.
+        for p in ranked[: request.room]:
+            # The least wait; on a tie the asking instance, which has room now.
+            j = min(wait, key=lambda n: (wait[n], n != request.instance, n))
+            wait[j] += predicted.get(p, 1.0) / rate[j]
+            if j == request.instance:
+                chosen.append(p)
+                if len(chosen) == cap:
+                    break
+        return chosen
+
+
+@dataclass(frozen=True)
+class Synchronous(FifoLeastLoaded):
+    """The synchronous baseline: FIFO dealing, lag gate 0 (module docstring)."""
+
+    name: str = "sync"
+    max_lag: int | None = 0
+
+
+POLICIES: dict[str, Callable[[], DispatchPolicy]] = {
+    "fifo": FifoLeastLoaded,
+    "least_requests": lambda: FifoLeastLoaded(name="least_requests"),
+    "sync": Synchronous,
+    "deltarl": PredictedWait,
+}
 
 
 def make_policy(name: str) -> DispatchPolicy:

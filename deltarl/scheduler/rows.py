@@ -15,6 +15,7 @@ import orjson
 
 from deltarl.scheduler.blob_table import BLOB_SCHEMA
 from deltarl.scheduler.eval_store import EVAL_SCHEMA
+from deltarl.scheduler.length_log import LENGTH_SCHEMA
 from deltarl.scheduler.reward_stats import STEP_REWARDS_SCHEMA
 from deltarl.scheduler.token_waste import TOKENS_SCHEMA
 
@@ -95,6 +96,7 @@ SCHEMA = (
     *EVAL_SCHEMA,
     # Tokens trained and wasted per step (token_waste); created on open in an older file.
     *TOKENS_SCHEMA,
+    *LENGTH_SCHEMA,
 )
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sqlite3
 import time
@@ -88,6 +89,10 @@ from deltarl.rl.samples import Group as SampleGroup
 from deltarl.rl.samples import SampleError, decode_group, sample_count
 from deltarl.rl.task import Task, make_task, mix64
 from deltarl.scheduler.evaluation import Evaluation, is_eval_group
+from deltarl.scheduler.length_log import LengthNote
+from deltarl.scheduler.length_predictor import prompt_key
+from deltarl.scheduler.plan import PlanError, load_plan
+from deltarl.scheduler.plan_view import PlannedTask, PlanView, check_fits, identity
 from deltarl.scheduler.policy import (
     Candidates,
     DispatchPolicy,
@@ -139,7 +144,10 @@ class SchedulerService(DaemonCore):
     ) -> None:
         self.config = config
         self.store = store
-        self.task = task or make_task(config.task, seed=config.seed, size=config.dataset_size)
+        base = task or make_task(config.task, seed=config.seed, size=config.dataset_size)
+        self.plan = self._load_plan(config, store)
+        self.task: Task = base if self.plan is None else PlannedTask(base, self.plan.plan)
+        self.dataset_size = config.dataset_size or (self.plan.plan.size if self.plan else 0)
         self.policy = policy or make_policy(config.policy)
         self.stragglers = StragglerJudge(
             config.straggler_ratio, config.straggler_window_s, config.straggler_cooldown_s
@@ -164,6 +172,48 @@ class SchedulerService(DaemonCore):
                 self.instances.setdefault(
                     g.instance, Instance(g.instance, g.session, now, wall, g.weight_version)
                 )
+
+    @staticmethod
+    def _load_plan(config: SchedulerConfig, store: SchedulerStore) -> PlanView | None:
+        """The plan of ``config.plan``, checked against the config and the store (PlanError,
+        a ValueError, otherwise: ``plan_view``'s docstring says why ids bind a store to it)."""
+        recorded = store.meta("plan")
+        if config.plan is None:
+            if recorded is not None:
+                raise PlanError(
+                    f"the store's prompt ids are positions of the plan {recorded}: "
+                    "name that plan in `plan`, or start on a new store"
+                )
+            return None
+        plan, stats = load_plan(config.plan)
+        check_fits(plan, config)
+        mine = identity(plan)
+        if recorded is None and store.cursor > 0:
+            raise PlanError(
+                f"the store issued {store.cursor} prompts in dataset order, without a plan; "
+                "a plan renumbers them: start it on a new store"
+            )
+        if recorded is not None and recorded != mine:
+            raise PlanError(f"the store was started on the plan {recorded}, not {mine}")
+        if recorded is None:
+            store.set_meta("plan", mine)
+        view = PlanView(plan)
+        view.replay(store.planned_lengths())
+        logger.info(
+            "plan %s: %d prompts, %d batches, predicted skew %.3f, padding %.3f",
+            config.plan,
+            plan.size,
+            stats["batches"],
+            stats["predicted_skew"],
+            stats["predicted_padding_ratio"],
+        )
+        return view
+
+    def predicted_tokens(self, prompt_id: int) -> float | None:
+        """A group's predicted completion tokens (all samples), or None without a plan."""
+        if self.plan is None or not 0 <= prompt_id < self.plan.plan.size:
+            return None
+        return self.plan.predicted(prompt_id) * self.config.group_size
 
     def _count_reward(self, name: str) -> None:
         self.store.bump(name)
@@ -318,10 +368,16 @@ class SchedulerService(DaemonCore):
         model, 23% of generated tokens were then dropped stale, a full step of groups in
         every third step.)"""
         cfg, tv = self.config, self.trainer_version
-        if tv is None or version is None or cfg.on_lag_exceeded == "drop":
+        forced = self.policy.max_lag  # the sync baseline: throttle at lag 0, whatever the config
+        action = cfg.on_lag_exceeded if forced is None else "throttle"
+        if forced is not None and tv is None:
+            tv = version  # the trainer not heard from yet: it holds the weights being served
+        if tv is None or version is None or action == "drop":
             return None
-        bound = cfg.max_policy_lag_steps
-        if cfg.on_lag_exceeded == "sync":
+        bound = (
+            cfg.max_policy_lag_steps if forced is None else min(forced, cfg.max_policy_lag_steps)
+        )
+        if action == "sync":
             if tv - version > bound:
                 self.store.bump("lag.sync")
                 return self._wait(f"sync: weights {version}, trainer {tv}, bound {bound}", tv)
@@ -369,15 +425,23 @@ class SchedulerService(DaemonCore):
         if gate is not None:
             room = min(room, gate)  # throttle: no more than land within the lag bound
         want = min(room, max(max_groups, 0))
-        cursor = self.store.cursor
-        end = cursor + want if not cfg.dataset_size else min(cursor + want, cfg.dataset_size)
-        candidates = Candidates(self.store.queued(want), range(cursor, end))
+        cursor, size = self.store.cursor, self.dataset_size
+        ahead = want + (self.policy.lookahead if want else 0)
+        end = cursor + ahead if not size else min(cursor + ahead, size)
+        queued = self.store.queued(max(want, ahead))
+        predicted = {
+            p: t for p in [*queued, *range(cursor, end)] if (t := self.predicted_tokens(p))
+        }
+        candidates = Candidates(queued, range(cursor, end), predicted or None)
         if not candidates.queued and not candidates.fresh:
             return self._wait("dataset exhausted" if want else "asked for no groups")
         held: dict[str, int] = dict.fromkeys(self.instances, 0)
+        held_tokens: dict[str, float] = dict.fromkeys(self.instances, 0.0)
         for g in self.store.groups(PromptState.ISSUED):
             if g.instance in held:
                 held[g.instance] += 1
+                # No prediction: one, as the policy counts a candidate without one.
+                held_tokens[g.instance] += self.predicted_tokens(g.prompt_id) or 1.0
         loads = [
             InstanceLoad(
                 i.name,
@@ -386,6 +450,7 @@ class SchedulerService(DaemonCore):
                 i.queue_depth,
                 i.tokens_per_s,
                 i.weight_version,
+                held_tokens[i.name],
             )
             for i in self.instances.values()
         ]
@@ -398,7 +463,7 @@ class SchedulerService(DaemonCore):
             session=cmd.session,
             weight_version=inst.weight_version,
             lease_s=cfg.lease_s,
-            dataset_size=cfg.dataset_size,
+            dataset_size=self.dataset_size,
         )
         return Work([self._work_item(g) for g in groups])
 
@@ -557,13 +622,39 @@ class SchedulerService(DaemonCore):
         if oldest is None:
             oldest = self.trainer_version
         tokens = sum(len(s.token_ids) for s in samples.samples)
-        if not self.store.pool(group.prompt_id, group.attempt, blob, rewards, oldest, tokens):
+        lengths = self._length_note(group, prompt, samples)
+        if not self.store.pool(
+            group.prompt_id, group.attempt, blob, rewards, oldest, tokens, lengths
+        ):
             # Requeued while it was being scored (its lease ran out): the new attempt will be
             # pooled instead, so these samples are counted as dropped, not pooled twice.
             stale = f"group {group.group_id} was requeued while it was scored; not accepted"
             return self._refuse_stale(group, group.attempt, n, stale)
         self._pooled_at.append((self.monotonic(), n))
         return Ok("pooled")
+
+    def _length_note(self, group: Group, prompt: str, samples: SampleGroup) -> LengthNote:
+        """The group's lengths for the history, with what was predicted for it; the plan's
+        correction learns from them (after the prediction is noted: it is what was used)."""
+        outputs = tuple(len(s.token_ids) for s in samples.samples)
+        first = samples.samples[0] if samples.samples else None
+        note = LengthNote(
+            task=self.task.name,
+            prompt_key=prompt_key(prompt),
+            prompt_text=prompt,
+            prompt_tokens=len(first.prompt_token_ids) if first is not None else 0,
+            outputs=outputs,
+            instance=group.instance,
+        )
+        view = self.plan
+        if view is None or not 0 <= group.prompt_id < view.plan.size or not outputs:
+            return note
+        bucket, planned = view.bucket(group.prompt_id), view.planned(group.prompt_id)
+        note = dataclasses.replace(
+            note, predicted=view.predicted(group.prompt_id), planned=planned, bucket=bucket
+        )
+        view.observe(bucket, planned, sum(outputs) / len(outputs))
+        return note
 
     # -- trainer --------------------------------------------------------------------------
 
@@ -583,6 +674,7 @@ class SchedulerService(DaemonCore):
             cmd.trainer_version,
             cfg.max_policy_lag_steps,
             reward=self.reward_window.figures(),
+            throughput={i.name: i.tokens_per_s for i in self.instances.values()},
         )
         if result.groups and not result.replayed:  # recorded with this new step
             self.reward_window.reset()
@@ -662,7 +754,16 @@ class SchedulerService(DaemonCore):
         now = self.monotonic()
         return {
             "cursor": self.store.cursor,
-            "dataset_size": self.config.dataset_size,
+            "dataset_size": self.dataset_size,
+            "policy": self.policy.name,
+            "plan": None
+            if self.plan is None
+            else {
+                "path": str(self.config.plan),
+                "identity": identity(self.plan.plan),
+                "corrections": [round(f, 4) for f in self.plan.factors],
+                "observed": list(self.plan.observed),
+            },
             "pool": {
                 "pooled": counts["pooled"],
                 "issued": counts["issued"],

@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from deltarl.scheduler import reward_stats, token_waste
+from deltarl.scheduler import length_log, reward_stats, token_waste
 from deltarl.scheduler.eval_store import EvalTables
 from deltarl.scheduler.retention import StepRetention
 from deltarl.scheduler.rows import (
@@ -169,10 +169,16 @@ class SchedulerStore(EvalTables, StepRetention):
             rows = [dict(zip(names, r, strict=True)) for r in cur]
             reward_stats.attach(conn, rows)
             token_waste.attach(conn, rows)
+            length_log.attach(conn, rows)
         for row in rows:
             row["metrics"] = orjson.loads(row["metrics"]) if row["metrics"] else {}
             row["checkpointed"] = bool(row["checkpointed"])
         return rows
+
+    def planned_lengths(self) -> list[tuple[int, float, float]]:
+        """``length_log.planned``: the online length correction's record."""
+        with self._read() as conn:
+            return length_log.planned(conn)
 
     def run_config(self) -> dict[str, Any]:
         """The configuration of the latest start (``record_run``)."""
@@ -306,11 +312,12 @@ class SchedulerStore(EvalTables, StepRetention):
         rewards: Sequence[float],
         min_version: int | None,
         tokens: int = 0,
+        lengths: length_log.LengthNote | None = None,
     ) -> bool:
         """Issued -> pooled, with its samples' blob (digest, bytes: kept again if it was swept
-        meanwhile), their rewards and completion ``tokens`` (``token_waste``). False if this
-        attempt is not issued now (requeued meanwhile): nothing is written, and the caller
-        counts the drop."""
+        meanwhile), their rewards and completion ``tokens`` (``token_waste``) and ``lengths``
+        (``length_log``'s history). False if this attempt is not issued now (requeued
+        meanwhile): nothing is written, and the caller counts the drop."""
         digest, data = blob
         with self._lock, self._write() as conn:
             updated = conn.execute(
@@ -331,6 +338,8 @@ class SchedulerStore(EvalTables, StepRetention):
                 if kept is None:
                     self._put(conn, digest, data)
                 token_waste.note(conn, prompt_id, attempt, tokens)
+                if lengths is not None:
+                    length_log.note(conn, prompt_id, attempt, lengths, self.clock())
                 self._bump(conn, "pooled_groups")
                 self._bump(conn, "pooled_samples", len(rewards))
             return bool(updated)
@@ -446,10 +455,13 @@ class SchedulerStore(EvalTables, StepRetention):
         trainer_version: int,
         max_lag: int,
         reward: Mapping[str, Any] | None = None,
+        throughput: Mapping[str, float] | None = None,
     ) -> ShipResult:
         """The groups of ``step``: the same ones again if it was shipped (exact replay), else
         the oldest ``groups`` pooled ones within the lag bound, all or none. ``reward``: the
-        scoring figures since the last step (``reward_stats``), recorded with a new step.
+        scoring figures since the last step (``reward_stats``), recorded with a new step, as
+        are the live instances' ``throughput`` (tokens/s) and its groups' length prediction
+        errors (``length_log``).
 
         Lag = ``trainer_version`` - the group's oldest token version, measured now, so time in
         the pool counts. A pooled group over ``max_lag`` can only get staler: it is dropped
@@ -525,6 +537,9 @@ class SchedulerStore(EvalTables, StepRetention):
                 reward_stats.insert(conn, step, reward)
             token_waste.record(
                 conn, step, token_waste.take(conn, ((g.prompt_id, g.attempt) for g, _ in taken))
+            )
+            length_log.record(
+                conn, step, [(g.prompt_id, g.attempt) for g, _ in taken], throughput or {}
             )
             self._bump(conn, "shipped_groups", len(taken))
             self._bump(conn, "shipped_samples", len(rewards))

@@ -362,6 +362,8 @@ class _EveryOther:
     """A policy that takes every other fresh prompt: the ones it passes over must be queued."""
 
     name = "every-other"
+    lookahead = 0
+    max_lag = None
 
     def choose(
         self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates

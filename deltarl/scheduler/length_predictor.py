@@ -1,0 +1,160 @@
+"""Predicting a prompt's output length before it is generated: what the plan and the ``deltarl``
+dispatch policy balance instances by.
+
+Three sources, tried in this order for each prompt (seed 000's "history statistics or a light
+model"); each prediction says which one gave it:
+
+``history``
+    This very prompt was generated before (the same text, by its ``prompt_key``): the mean
+    completion tokens per sample of its recorded groups.
+``prompt_stats``
+    Prompts of the same task and length class (characters, by powers of two) were: their
+    mean, once at least ``min_count`` groups are on record in the class.
+``learned``
+    A ridge regression of log(mean tokens per sample) on a few features of the prompt text
+    (its length, digits, words, operators), fitted on every recorded group of the task. It
+    needs at least ``MIN_FIT_ROWS`` groups.
+``default``
+    Nothing on record: ``default_tokens`` for every prompt. Balancing then only counts
+    prompts; the scheduler's online correction (``deltarl.scheduler.plan_view``) learns from
+    the first groups that finish.
+
+The history is ``length_log``'s table in a run's scheduler store (``load_history``), so a
+second run of a task plans from the first one's lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sqlite3
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+import xxhash
+
+SOURCES = ("history", "prompt_stats", "learned", "default")
+MIN_FIT_ROWS = 16
+"""The learned predictor is fitted only on at least this many recorded groups."""
+RIDGE = 0.05
+"""Ridge strength: just enough to keep the fit defined when features repeat."""
+_DIGITS = re.compile(r"\d")
+
+
+def prompt_key(text: str) -> int:
+    """A prompt's identity across runs and plans: xxh64 of its text, as a signed 64-bit int
+    (what sqlite stores)."""
+    v = xxhash.xxh64_intdigest(text.encode())
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def length_class(chars: int) -> int:
+    """The prompt-length class of the statistics: characters by powers of two."""
+    return max(chars, 1).bit_length()
+
+
+def features(text: str) -> np.ndarray:
+    """The learned predictor's inputs: a bias, log length, digits, words and arithmetic
+    operators, each scaled to about one."""
+    return np.array(
+        [
+            1.0,
+            math.log1p(len(text)) / 5,
+            len(_DIGITS.findall(text)) / 10,
+            len(text.split()) / 20,
+            sum(text.count(op) for op in "+-*/=") / 4,
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class Record:
+    """One generated group, as the history holds it."""
+
+    task: str
+    key: int
+    text: str
+    outputs: tuple[int, ...]
+    """Completion tokens of each sample."""
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.outputs) if self.outputs else 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tokens: float
+    """Predicted completion tokens per sample."""
+    source: str
+
+
+class LengthPredictor:
+    """Predicts completion tokens per sample for one task's prompts (module docstring)."""
+
+    def __init__(
+        self,
+        records: Iterable[Record],
+        task: str,
+        *,
+        default_tokens: float,
+        min_count: int = 4,
+    ) -> None:
+        if default_tokens <= 0:
+            raise ValueError(f"default_tokens must be positive, got {default_tokens}")
+        mine = [r for r in records if r.task == task and r.outputs]
+        self.default_tokens = float(default_tokens)
+        self.min_count = min_count
+        by_key: dict[int, list[float]] = defaultdict(list)
+        by_class: dict[int, list[float]] = defaultdict(list)
+        for r in mine:
+            by_key[r.key].append(r.mean)
+            by_class[length_class(len(r.text))].append(r.mean)
+        self.by_key = {k: statistics.fmean(v) for k, v in by_key.items()}
+        self.by_class = {c: statistics.fmean(v) for c, v in by_class.items() if len(v) >= min_count}
+        self.weights: np.ndarray | None = None
+        if len(mine) >= MIN_FIT_ROWS:
+            x = np.stack([features(r.text) for r in mine])
+            y = np.log(np.maximum([r.mean for r in mine], 1.0))
+            a = x.T @ x + RIDGE * np.eye(x.shape[1])
+            a[0, 0] -= RIDGE  # the bias is not shrunk
+            self.weights = np.linalg.solve(a, x.T @ y)
+        self.records = len(mine)
+
+    def predict(self, text: str) -> Prediction:
+        found = self.by_key.get(prompt_key(text))
+        if found is not None:
+            return Prediction(max(found, 1.0), "history")
+        found = self.by_class.get(length_class(len(text)))
+        if found is not None:
+            return Prediction(max(found, 1.0), "prompt_stats")
+        if self.weights is not None:
+            return Prediction(max(math.exp(float(features(text) @ self.weights)), 1.0), "learned")
+        return Prediction(self.default_tokens, "default")
+
+
+def load_history(paths: Sequence[Path]) -> list[Record]:
+    """Every recorded group in these scheduler stores (sqlite files, or run directories holding
+    one at ``scheduler.sqlite``), read-only. A store from before ``length_log`` has none."""
+    out: list[Record] = []
+    for path in paths:
+        db = path / "scheduler.sqlite" if path.is_dir() else path
+        if not db.is_file():
+            raise FileNotFoundError(f"{path}: no scheduler store there")
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            has = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'length_history'"
+            ).fetchone()
+            if has is None:
+                continue
+            rows = conn.execute("SELECT task, prompt_key, prompt_text, outputs FROM length_history")
+            out += [Record(t, int(k), str(x), tuple(orjson.loads(o))) for t, k, x, o in rows]
+        finally:
+            conn.close()
+    return out
