@@ -13,8 +13,9 @@ With ``--json``, exactly one JSON object on stdout:
      "policies": {"sync": M, "least_requests": M, "deltarl": M},
      "speedup_vs_sync": float, "speedup_vs_least_requests": float, "real": null}
 
-M = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait"} (floats). ``real``, the
-same policies on the real rollout daemons, is not built yet: it is null.
+M = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait"} (floats), and added to
+the contract: ``wasted_tokens_ratio`` in each M and ``lag`` (the bound, ``--lag``) at the top.
+``real``, the same policies on the real rollout daemons, is not built yet: it is null.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def run(
     groups_per_step: int,
     train_s: float,
     refit_s: float,
+    lag: int = 1,
 ) -> dict[str, Any]:
     figures = {
-        p: run_policy(p, workload, cost, instances, groups_per_step, train_s, refit_s)
+        p: run_policy(p, workload, cost, instances, groups_per_step, train_s, refit_s, lag=lag)
         for p in POLICIES
     }
     policies = {
@@ -55,6 +57,7 @@ def run(
             "padding_ratio": f.padding_ratio,
             "skewness": f.skewness,
             "sorting_wait": f.sorting_wait,
+            "wasted_tokens_ratio": f.wasted_tokens_ratio,
         }
         for p, f in figures.items()
     }
@@ -66,18 +69,23 @@ def run(
         "speedup_vs_sync": ours / figures["sync"].throughput_tok_s,
         "speedup_vs_least_requests": ours / figures["least_requests"].throughput_tok_s,
         "real": None,
+        "lag": lag,
     }
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = [f"workload {result['workload']} on {result['instances']} instances (model)"]
+    lines = [
+        f"workload {result['workload']} on {result['instances']} instances (model), "
+        f"lag bound {result['lag']}"
+    ]
     lines.append(
         f"  {'policy':<16}{'tokens/s':>12}{'padding':>10}{'skewness':>10}{'sorting wait':>14}"
+        f"{'wasted':>9}"
     )
     for name, m in result["policies"].items():
         lines.append(
             f"  {name:<16}{m['throughput_tok_s']:>12.0f}{m['padding_ratio']:>10.3f}"
-            f"{m['skewness']:>10.3f}{m['sorting_wait']:>14.3f}"
+            f"{m['skewness']:>10.3f}{m['sorting_wait']:>14.3f}{m['wasted_tokens_ratio']:>9.3f}"
         )
     lines.append(
         f"  deltarl: {result['speedup_vs_sync']:.2f}x sync, "
@@ -105,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refit-s", type=float, default=1.0, help="seconds per refit (sync)")
     ap.add_argument("--cost", type=Path, help="JSON object of CostModel fields")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lag", type=int, default=1, help="max_policy_lag_steps (default 1)")
     args = ap.parse_args(argv)
     if min(args.prompts, args.n, args.instances, args.groups_per_step) < 1:
         ap.error("--prompts, --n, --instances and --groups-per-step must be at least 1")
+    if args.lag < 0:
+        ap.error("--lag must not be negative")
     try:
         cost = CostModel(**orjson.loads(args.cost.read_bytes())) if args.cost else CostModel()
         if args.workload:
@@ -117,7 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, orjson.JSONDecodeError) as e:
         print(f"deltarl bench schedule: {e}", file=sys.stderr)
         return 2
-    result = run(workload, cost, args.instances, args.groups_per_step, args.train_s, args.refit_s)
+    if len(workload.groups) < args.groups_per_step:
+        print(
+            f"deltarl bench schedule: the workload has {len(workload.groups)} prompt groups, "
+            f"fewer than one step (--groups-per-step {args.groups_per_step})",
+            file=sys.stderr,
+        )
+        return 2
+    result = run(
+        workload, cost, args.instances, args.groups_per_step, args.train_s, args.refit_s, args.lag
+    )
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     else:

@@ -46,7 +46,8 @@ from deltarl.transport.messages import Command, Reply, decode_table
 
 @dataclass(frozen=True)
 class Heartbeat(Command):
-    """A rollout instance is alive; its health figures. Answered ``Ok``.
+    """A rollout instance is alive; its health figures. Answered ``Ok``, or ``Beat`` when some
+    of the groups it holds can no longer ship (see ``progress``).
 
     ``session`` is new at every start of the instance: a new session means the old one's
     in-flight groups are lost and are queued again.
@@ -74,6 +75,12 @@ class Heartbeat(Command):
     """Group ids this instance and session are generating or submitting (see above)."""
     reports_held: bool = False
     """``held`` is complete: groups issued to this session and missing from it are requeued."""
+    progress: dict[str, Any] = field(default_factory=dict)
+    """Group id -> ``[oldest token version, tokens so far]`` of held groups that have tokens.
+    A group whose oldest token is already more than ``max_policy_lag_steps`` behind the
+    trainer can only get staler: it would be dropped when shipped. The scheduler requeues it
+    now (``requeued.doomed``; its tokens are counted wasted) and names it in ``Beat.abort``,
+    so the instance stops generating it instead of finishing work that cannot be trained."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,16 @@ class Work(Reply):
 
 
 @dataclass(frozen=True)
+class Beat(Reply):
+    """A heartbeat's answer when there is something to do: ``abort``, the held groups that can
+    no longer ship (``Heartbeat.progress``), already requeued; stop generating them. A submit
+    of one that raced the abort is refused as stale."""
+
+    TAG: ClassVar[str] = "rl.beat"
+    abort: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Batch(Reply):
     """The groups of step ``step`` (each: ``group_id``, ``prompt_id``, ``prompt``,
     ``samples_ref``: the digest of its samples on the scheduler's samples endpoint,
@@ -202,5 +219,5 @@ class History(Reply):
 RL_COMMANDS = decode_table(
     Heartbeat, GetWork, SubmitGroup, TakeBatch, StepDone, Checkpointed, GetHistory
 )
-REPLIES = {**BASE_REPLIES, **decode_table(Work, Batch, History)}
+REPLIES = {**BASE_REPLIES, **decode_table(Work, Batch, History, Beat)}
 """What a client of the scheduler decodes: ``ControlClient(endpoint, replies=REPLIES)``."""

@@ -415,6 +415,35 @@ class VllmEngine:
             self._requests[request_id] = _Request(group_id, i, dict(rendered), params)
             engine.add_request(request_id, dict(rendered), params)
 
+    def progress(self) -> dict[str, tuple[int | None, int]]:
+        """Each running group's oldest token version (None: no token yet) and its tokens so
+        far: what decides whether it can still ship within a lag bound."""
+        reqs: dict[str, list[_Request]] = {
+            g: list(v.done.values()) for g, v in self._groups.items()
+        }
+        for req in self._requests.values():
+            reqs[req.group].append(req)
+        out: dict[str, tuple[int | None, int]] = {}
+        for gid, rs in reqs.items():
+            versions = [min(r.token_versions) for r in rs if r.token_versions]
+            out[gid] = (min(versions) if versions else None, sum(len(r.token_ids) for r in rs))
+        return out
+
+    def abort_group(self, group_id: str) -> int:
+        """Stop generating ``group_id`` (its samples still running are aborted in vLLM, the
+        finished ones forgotten); the tokens it had generated. 0 for an unknown group."""
+        group = self._groups.pop(group_id, None)
+        if group is None:
+            return 0
+        ids = [rid for rid, req in self._requests.items() if req.group == group_id]
+        tokens = sum(len(r.token_ids) for r in group.done.values())
+        tokens += sum(len(self._requests[rid].token_ids) for rid in ids)
+        for rid in ids:
+            del self._requests[rid]
+        if ids:
+            self._require().abort_request(ids)
+        return tokens
+
     def _chat_enabled(self, engine: LLMEngine) -> bool:
         """Whether prompts go through the chat template (``VllmEngineConfig.chat``)."""
         has_template = getattr(engine.get_tokenizer(), "chat_template", None) is not None

@@ -40,7 +40,7 @@ from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 from deltarl.engine.weight_store import LeaseRevoked, WeightStore
 from deltarl.reward.protocol import REWARD_UNAVAILABLE
-from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
+from deltarl.rl.protocol import Beat, GetWork, Heartbeat, SubmitGroup, Work
 from deltarl.rl.samples import Group, Sample, SampleError, encode_group
 from deltarl.transport.blobs import BlobError
 from deltarl.transport.messages import Command, Error, Ok, Reply
@@ -95,6 +95,9 @@ class RolloutService(DaemonCore):
         self.sync_to: int | None = None
         self.activity = "starting"
         self.generated_tokens = 0
+        self.progress: dict[str, list[int]] = {}  # group -> [oldest token version, tokens]
+        self.aborted_groups = 0  # requeued by the scheduler as doomed, and stopped here
+        self.aborted_tokens = 0  # the tokens they had generated
         self.prompt_tokens = 0  # prompt tokens of the finished samples
         self.cached_prompt_tokens = 0  # of which the prefix cache served
         self.submitted_groups = 0
@@ -192,9 +195,26 @@ class RolloutService(DaemonCore):
         await asyncio.sleep(self.config.idle_s)
 
     def _step(self) -> tuple[list[Any], int]:
-        """One engine step and, read on the same thread, the requests still waiting."""
+        """One engine step and, read on the same thread, the requests still waiting and each
+        running group's progress (for the heartbeat: ``Heartbeat.progress``)."""
         finished = self.engine.step()
+        self.progress = {g: [v, n] for g, (v, n) in self.engine.progress().items() if v is not None}
         return finished, self.engine.queued_requests()
+
+    async def _abort(self, group_ids: list[str]) -> None:
+        """The scheduler requeued these groups (they can no longer ship within its lag bound):
+        stop generating them. One that finished meanwhile is being submitted: that submit is
+        refused as stale, and nothing else happens."""
+        for gid in group_ids:
+            if gid not in self.in_flight or self.engine is None:
+                continue
+            tokens = await self._call(self.engine.abort_group, gid)
+            self.in_flight.pop(gid, None)
+            self.progress.pop(gid, None)
+            self.aborted_groups += 1
+            self.aborted_tokens += int(tokens)
+        if group_ids:
+            logger.info("aborted %d groups the scheduler requeued as doomed", len(group_ids))
 
     async def _get_work(self, room: int) -> None:
         reply = await self._ask(
@@ -442,7 +462,7 @@ class RolloutService(DaemonCore):
         while True:
             # ``held`` is complete (reports_held): the scheduler requeues any group issued to
             # this session that is not listed, e.g. one whose Work reply was lost.
-            await self._ask(
+            reply = await self._ask(
                 Heartbeat(
                     self.config.instance,
                     self.session,
@@ -452,8 +472,11 @@ class RolloutService(DaemonCore):
                     tokens_per_s=round(self.tokens_per_s(), 3),
                     held=[*self.in_flight, *self.submitting],
                     reports_held=True,
+                    progress={g: p for g, p in self.progress.items() if g in self.in_flight},
                 )
             )
+            if isinstance(reply, Beat) and reply.abort:
+                await self._abort([str(g) for g in reply.abort])
             self.context.notifier.status(f"{self.activity}; version {self.engine_version}")
             await asyncio.sleep(self.config.heartbeat_s)
 
@@ -483,6 +506,8 @@ class RolloutService(DaemonCore):
             "refit_errors": self.refit_errors,
             "revoked_loads": self.revoked_loads,
             "busy_s": round(self.busy_s, 3),
+            "aborted_groups": self.aborted_groups,
+            "aborted_tokens": self.aborted_tokens,
             "prefix_cache": {
                 "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_prompt_tokens,

@@ -75,6 +75,7 @@ from deltarl.reward.protocol import REWARD_UNAVAILABLE
 from deltarl.rl.protocol import (
     RL_COMMANDS,
     Batch,
+    Beat,
     Checkpointed,
     GetHistory,
     GetWork,
@@ -306,7 +307,34 @@ class SchedulerService(DaemonCore):
         if cmd.reports_held and isinstance(cmd.held, list):
             self._requeue_not_held(cmd.instance, cmd.session, cmd.held)
         self._judge(inst)
+        doomed = self._doomed(cmd)
+        if doomed:
+            aborted = self.store.requeue_doomed(cmd.instance, cmd.session, doomed)
+            if aborted:
+                logger.info(
+                    "%s: %d groups can no longer ship within lag bound %d: requeued, aborted",
+                    cmd.instance,
+                    len(aborted),
+                    self.config.max_policy_lag_steps,
+                )
+                return Beat(abort=aborted)
         return Ok()
+
+    def _doomed(self, cmd: Heartbeat) -> dict[str, int]:
+        """Held groups (``Heartbeat.progress``) whose oldest token is already over the lag bound
+        behind the trainer: group id -> tokens so far. Their lag only grows until they ship,
+        where they would be dropped; stopping them now saves what they would still generate."""
+        tv, bound = self.trainer_version, self.config.max_policy_lag_steps
+        if tv is None or not isinstance(cmd.progress, dict):
+            return {}
+        out: dict[str, int] = {}
+        for gid, figures in cmd.progress.items():
+            if is_eval_group(str(gid)) or not isinstance(figures, list) or len(figures) != 2:
+                continue  # eval groups are never trained: no lag bound applies to them
+            oldest, tokens = figures
+            if isinstance(oldest, int) and isinstance(tokens, int) and tv - oldest > bound:
+                out[str(gid)] = tokens
+        return out
 
     def _judge(self, inst: Instance) -> None:
         """Bench ``inst`` if it straggles (deltarl/scheduler/stragglers.py)."""

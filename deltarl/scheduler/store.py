@@ -53,6 +53,7 @@ from deltarl.scheduler.rows import (
     ShipResult,
     group_from_row,
     group_id,
+    parse_group_id,
     stats,
 )
 
@@ -290,6 +291,31 @@ class SchedulerStore(EvalTables, StepRetention):
             if lost:
                 self._bump(conn, "requeued.not_held", len(lost))
             return lost
+
+    def requeue_doomed(self, instance: str, session: str, doomed: Mapping[str, int]) -> list[str]:
+        """Requeue these groups (group id -> tokens generated so far) issued to ``instance``
+        in ``session``: they can no longer ship within the lag bound. Their tokens are wasted
+        (``token_waste``, recorded with the next step), counted ``requeued.doomed``. The group
+        ids requeued (an id not issued to that session now is left alone)."""
+        done: list[str] = []
+        with self._lock, self._write() as conn:
+            for gid, tokens in doomed.items():
+                ids = parse_group_id(gid)
+                if ids is None:
+                    continue
+                found = conn.execute(
+                    "SELECT 1 FROM prompts WHERE prompt_id = ? AND attempt = ?"
+                    " AND state = 'issued' AND instance = ? AND session = ?",
+                    (ids[0], ids[1], instance, session),
+                ).fetchone()
+                if found is None:
+                    continue
+                self._requeue(conn, ids[0], "doomed")
+                token_waste.wasted(conn, max(int(tokens), 0), 1)
+                done.append(gid)
+            if done:
+                self._bump(conn, "requeued.doomed", len(done))
+        return done
 
     def requeue_expired(self) -> list[int]:
         """Requeue issued groups whose lease ran out (no heartbeat kept it)."""

@@ -1,36 +1,52 @@
-"""A discrete-event model of RL rollout on many continuous-batching instances, and three ways
-to dispatch it: what ``deltarl bench schedule`` replays a workload through.
+"""A discrete-event model of asynchronous RL rollout on many continuous-batching instances, with
+the scheduler's lag gate and a trainer: what ``deltarl bench schedule`` replays a workload
+through, one dispatch policy at a time.
 
 The workload is prompt groups (n samples per prompt, each with its output length). An instance
 decodes up to ``max_seqs`` sequences at once; one decode step advances every running sequence
 by one token and costs ``decode_base_s + decode_per_seq_s * seqs + decode_per_kctx_s *
-context_tokens / 1000`` (context: every running sequence's prompt and tokens so far); a
-sequence admitted pays ``prefill_per_token_s`` per prompt token. Between two events (a
-sequence finishing, one admitted) nothing changes but the context, which grows by ``seqs``
-tokens a step, so the model jumps from event to event with the closed-form sum of the steps.
+context_tokens / 1000`` (context: every running sequence's prompt and tokens so far); a group
+admitted pays ``prefill_per_token_s`` per prompt token of each sample first. Between two
+events nothing changes but the context, so each instance jumps from event to event with the
+closed form of the steps (fractional steps when another instance's event comes first).
 
-Policies (each a function of the same workload and cost model):
+What every policy shares, as the scheduler does (``deltarl/scheduler/service.py``):
 
-- ``sync``: the synchronous RL loop. Steps of ``groups_per_step`` groups, dealt round-robin to
-  the instances; the step ends when the last sample of the step is done; then the trainer
-  trains (``train_s``) and the new weights are loaded (``refit_s``) while every instance waits.
-- ``least_requests``: asynchronous. The groups in dataset order; each goes to the instance with
-  the fewest running sequences that has room; the trainer trains beside generation, on steps
-  filled in completion order.
-- ``deltarl``: asynchronous, seed 000's scheduler. Groups ordered longest predicted first
-  (``predicted_tokens``: the workload's true mean per group times a log-normal prediction
-  error), each to the instance with the least predicted wait (its predicted tokens queued or
-  running over its throughput); steps are filled in completion order, and the trainer's
-  micro-batches are length-sorted within a step.
+- pull dispatch: an instance gets a group only when it has room for all its samples;
+- the throttle gate at lag bound L: an instance ``behind`` versions behind the trainer (plus
+  one while a step trains) gets work only while fewer than ``(L - behind + 1) *
+  groups_per_step`` groups are running or pooled;
+- the trainer takes the first ``groups_per_step`` pooled groups (completion order) when it is
+  idle, trains ``train_s``, publishes a version; every instance then stalls ``refit_s`` for
+  the refit (between two engine steps: running sequences continue, a partial rollout);
+- the hard lag rule: a group whose oldest token is more than L versions behind the trainer
+  when shipped is dropped and its prompt queued again (``MAX_ATTEMPTS`` at most); a running
+  group already past that is stopped at the refit and requeued (the scheduler's
+  ``requeued.doomed``: ``Heartbeat.progress``). Every token of a dropped or stopped group is
+  wasted.
 
-Figures per policy: ``throughput_tok_s`` (generated tokens over the wall time), ``padding_ratio``
-(1 - real / allocated token positions of the trainer's micro-batches), ``skewness`` (the busiest
-instance's busy time over the mean), ``sorting_wait`` (the mean time a finished group waits for
-its step to be complete, over the mean instance busy time).
+The policies:
+
+- ``sync``: lag bound 0: one step of groups is generated to the last sample, trained and
+  refitted while the instances wait. The synchronous RL loop.
+- ``least_requests``: the next group in dataset order to the instance with the fewest running
+  requests: the common asynchronous dispatch.
+- ``deltarl``: seed 000's dispatch: of the next ``lookahead`` groups (requeued ones first),
+  the longest predicted (``predicted_tokens``: the workload's true mean per group times a
+  log-normal error) to the instance with the least predicted wait (predicted tokens of its
+  running groups over its decode rate at its occupancy); the trainer's micro-batches are
+  length-sorted.
+
+Figures per policy: ``throughput_tok_s`` (trained completion tokens over the wall time: wasted
+tokens are not throughput), ``padding_ratio`` (1 - real / allocated token positions of the
+trainer's micro-batches), ``skewness`` (the busiest instance's busy time over the mean),
+``sorting_wait`` (the mean time a finished group waits in the pool for its step, over the mean
+time groups take to generate: what the scheduler records per step), ``wasted_tokens_ratio``.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections.abc import Sequence
@@ -39,6 +55,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 POLICIES = ("sync", "least_requests", "deltarl")
+MAX_ATTEMPTS = 3
+"""A prompt dropped stale this often is given up (as the scheduler abandons failing ones)."""
+DONE_EPS = 1e-6
+"""Tokens left under which a sequence is done (fractional steps round off)."""
 
 
 @dataclass(frozen=True)
@@ -124,79 +144,308 @@ def from_trace(entries: Sequence[dict[str, object]], name: str) -> Workload:
 @dataclass
 class _Seq:
     group: int
-    remaining: int
-    ctx: int
+    remaining: float
+    ctx: float
+    length: int
 
 
 @dataclass
 class _Instance:
+    index: int
     cost: CostModel
     now: float = 0.0
+    stall_until: float = 0.0
+    """No decoding before this (a prefill or a refit in progress)."""
     busy: float = 0.0
-    decoded: int = 0  # tokens decoded so far
-    predicted: float = 0.0  # predicted tokens of the groups assigned so far (deltarl)
+    version: int = 0
     running: list[_Seq] = field(default_factory=list)
+    groups: dict[int, int] = field(default_factory=dict)
+    """Group -> its samples still running here."""
+    predicted: float = 0.0
+    """Predicted tokens of the groups running here (deltarl's wait)."""
+    epoch: int = 0
+    """Bumped when the running set changes: older heap entries are stale."""
 
-    @property
-    def ctx(self) -> int:
-        return sum(s.ctx for s in self.running)
+    def room(self, size: int) -> bool:
+        return not self.running or len(self.running) + size <= self.cost.max_seqs
 
-    def admit(self, group: int, g: PromptGroup) -> None:
-        self.now += self.cost.prefill_per_token_s * g.prompt_tokens * len(g.output_tokens)
-        self.busy += self.cost.prefill_per_token_s * g.prompt_tokens * len(g.output_tokens)
-        self.running += [_Seq(group, t, g.prompt_tokens) for t in g.output_tokens]
-
-    def advance(self) -> list[int]:
-        """Decode until the next sequence finishes; the groups of the sequences finished."""
-        k = min(s.remaining for s in self.running)
-        dt = self.cost.steps_time(k, len(self.running), self.ctx)
-        self.now += dt
+    def advance(self, t: float) -> None:
+        """Decode until ``t`` (fractional steps between events: the context grows by the
+        running sequences each step, so the time of k steps is quadratic in k)."""
+        start = max(self.now, self.stall_until)
+        dt = t - start
+        self.now = max(self.now, t)
+        if dt <= 0 or not self.running:
+            return
+        seqs = len(self.running)
+        ctx = sum(x.ctx for x in self.running)
+        c = self.cost.decode_per_kctx_s / 1000
+        a = c * seqs / 2
+        b = self.cost.decode_base_s + self.cost.decode_per_seq_s * seqs + c * ctx - a
+        k = 2 * dt / (b + math.sqrt(b * b + 4 * a * dt))  # the root, without cancellation
+        for x in self.running:
+            x.remaining -= k
+            x.ctx += k
         self.busy += dt
-        self.decoded += k * len(self.running)
-        done = []
-        for s in self.running:
-            s.remaining -= k
-            s.ctx += k
-            if s.remaining == 0:
-                done.append(s.group)
-        self.running = [s for s in self.running if s.remaining > 0]
-        return done
+
+    def next_finish(self) -> float | None:
+        if not self.running:
+            return None
+        k = max(min(x.remaining for x in self.running), 0.0)
+        ctx = sum(x.ctx for x in self.running)
+        return max(self.now, self.stall_until) + self.cost.steps_time(k, len(self.running), ctx)
+
+    def stall(self, seconds: float, busy: bool) -> None:
+        self.stall_until = max(self.stall_until, self.now) + seconds
+        if busy:
+            self.busy += seconds
 
 
 @dataclass(frozen=True)
 class Figures:
     throughput_tok_s: float
+    """Trained completion tokens per second of wall time (dropped ones are not throughput)."""
     padding_ratio: float
     skewness: float
     sorting_wait: float
     wall_s: float
+    wasted_tokens_ratio: float = 0.0
+    steps: int = 0
 
 
-def _generate(
-    workload: Workload, cost: CostModel, queues: Sequence[Sequence[int]], start: float = 0.0
-) -> tuple[dict[int, float], list[_Instance]]:
-    """Each instance runs its queue of groups in order, admitting the next whole group when it
-    has room (continuous batching, as a vLLM engine does with the requests it was sent).
-    Instances share nothing, so each runs on its own clock. Each group's completion time."""
-    finished: dict[int, float] = {}
-    insts = []
-    for queue in queues:
-        inst = _Instance(cost, now=start)
-        pending = list(queue)
-        left = {g: len(workload.groups[g].output_tokens) for g in queue}
-        while pending or inst.running:
-            while pending:
-                size = len(workload.groups[pending[0]].output_tokens)
-                if inst.running and len(inst.running) + size > cost.max_seqs:
-                    break
-                group = pending.pop(0)
-                inst.admit(group, workload.groups[group])
-            for group in inst.advance():
-                left[group] -= 1
-                if left[group] == 0:
-                    finished[group] = inst.now
-        insts.append(inst)
-    return finished, insts
+@dataclass
+class _Group:
+    index: int
+    attempt: int = 0
+    start_version: int = 0
+    admitted_at: float = 0.0
+    finished_at: float = 0.0
+    instance: int = -1
+
+
+class _Run:
+    """One policy's run of a workload: instances, the lag gate, the trainer (module docstring)."""
+
+    def __init__(
+        self,
+        policy: str,
+        workload: Workload,
+        cost: CostModel,
+        instances: int,
+        groups_per_step: int,
+        train_s: float,
+        refit_s: float,
+        lag: int,
+        micro: int,
+        lookahead: int,
+    ) -> None:
+        self.policy = policy
+        self.w = workload
+        self.cost = cost
+        self.gps = groups_per_step
+        self.train_s = train_s
+        self.refit_s = refit_s
+        self.lag = 0 if policy == "sync" else lag
+        self.micro = micro
+        self.lookahead = lookahead
+        self.abort_doomed = policy != "sync"  # sync never crosses a version
+        self.insts = [_Instance(i, cost) for i in range(instances)]
+        self.heap: list[tuple[float, int, int]] = []
+        self.fresh = 0  # the dataset's cursor
+        self.queue: list[int] = []  # requeued prompts, oldest first
+        self.attempts = [0] * len(workload.groups)
+        self.issued = 0  # groups running on an instance
+        self.pooled: list[_Group] = []
+        self.version = 0  # the trainer's
+        self.training_until: float | None = None
+        self.steps: list[list[_Group]] = []
+        self.shipped_at: list[float] = []
+        self.wasted = 0
+        self.trained = 0
+        self.now = 0.0
+
+    # -- dispatch -----------------------------------------------------------------------
+
+    def _allowed(self, inst: _Instance) -> int:
+        """The throttle gate (the scheduler's): groups landing within the lag bound."""
+        behind = self.version + (1 if self.training_until is not None else 0) - inst.version
+        return (self.lag - behind + 1) * self.gps - (self.issued + len(self.pooled))
+
+    def _candidates(self) -> list[int]:
+        n = len(self.w.groups)
+        ahead = self.lookahead if self.policy == "deltarl" else 1
+        return self.queue[:ahead] + list(range(self.fresh, min(self.fresh + ahead, n)))
+
+    def _take(self, g: int) -> None:
+        if self.queue and g in self.queue:
+            self.queue.remove(g)
+        else:  # a fresh prompt: those passed over before it are queued (as the store does)
+            self.queue += list(range(self.fresh, g))
+            self.fresh = g + 1
+
+    def _throughput(self, inst: _Instance) -> float:
+        seqs = max(len(inst.running), 1)
+        per = self.cost.decode_base_s + self.cost.decode_per_seq_s * seqs
+        return seqs / per
+
+    def dispatch(self) -> None:
+        while True:
+            cands = self._candidates()
+            if not cands:
+                return
+            if self.policy == "deltarl":
+                pred = self.w.predicted_tokens
+                g = max(cands, key=lambda p: (pred[p], -p))  # longest predicted first
+                size = len(self.w.groups[g].output_tokens)
+                ok = [i for i in self.insts if i.room(size) and self._allowed(i) > 0]
+                if not ok:
+                    return
+                inst = min(ok, key=lambda i: (i.predicted / self._throughput(i), i.index))
+            else:
+                g = cands[0]
+                size = len(self.w.groups[g].output_tokens)
+                ok = [i for i in self.insts if i.room(size) and self._allowed(i) > 0]
+                if not ok:
+                    return
+                inst = min(ok, key=lambda i: (len(i.running), i.index))  # fewest requests
+            self._take(g)
+            self._admit(inst, g)
+
+    def _admit(self, inst: _Instance, g: int) -> None:
+        inst.advance(self.now)
+        group = self.w.groups[g]
+        inst.stall(
+            self.cost.prefill_per_token_s * group.prompt_tokens * len(group.output_tokens), True
+        )
+        inst.running += [
+            _Seq(g, float(t), float(group.prompt_tokens), t) for t in group.output_tokens
+        ]
+        inst.groups[g] = len(group.output_tokens)
+        inst.predicted += self.w.predicted_tokens[g]
+        self.record[g] = _Group(g, self.attempts[g], inst.version, self.now, 0.0, inst.index)
+        self.issued += 1
+        self._schedule(inst)
+
+    def _schedule(self, inst: _Instance) -> None:
+        inst.epoch += 1
+        t = inst.next_finish()
+        if t is not None:
+            heapq.heappush(self.heap, (t, inst.index, inst.epoch))
+
+    # -- events -------------------------------------------------------------------------
+
+    def _finish(self, inst: _Instance) -> None:
+        inst.advance(self.now)
+        done = [x for x in inst.running if x.remaining <= DONE_EPS]
+        inst.running = [x for x in inst.running if x.remaining > DONE_EPS]
+        for x in done:
+            inst.groups[x.group] -= 1
+            if inst.groups[x.group] == 0:
+                del inst.groups[x.group]
+                inst.predicted -= self.w.predicted_tokens[x.group]
+                rec = self.record[x.group]
+                rec.finished_at = self.now
+                self.issued -= 1
+                self.pooled.append(rec)
+        self._schedule(inst)
+
+    def _ship(self) -> None:
+        if self.training_until is not None:
+            return
+        fresh = []
+        for rec in self.pooled:
+            if self.version - rec.start_version > self.lag:  # over the bound: dropped
+                self.wasted += self.w.groups[rec.index].tokens
+                self.attempts[rec.index] += 1
+                if self.attempts[rec.index] < MAX_ATTEMPTS:
+                    self.queue.append(rec.index)
+            else:
+                fresh.append(rec)
+        self.pooled = fresh
+        if len(fresh) < self.gps:
+            return
+        step, self.pooled = fresh[: self.gps], fresh[self.gps :]
+        self.steps.append(step)
+        self.shipped_at.append(self.now)
+        self.trained += sum(self.w.groups[r.index].tokens for r in step)
+        self.training_until = self.now + self.train_s
+
+    def _publish(self) -> None:
+        self.training_until = None
+        self.version += 1
+        for inst in self.insts:  # every engine loads the new weights between two steps
+            inst.advance(self.now)
+            if self.abort_doomed:
+                self._abort_doomed(inst)
+            inst.stall(self.refit_s, False)
+            inst.version = self.version
+            self._schedule(inst)
+
+    def _abort_doomed(self, inst: _Instance) -> None:
+        """Groups whose lag can only grow past the bound before they ship are stopped now and
+        their prompts queued again: what they would still generate is saved (what they did
+        generate is wasted all the same)."""
+        doomed = {g for g in inst.groups if self.version - self.record[g].start_version > self.lag}
+        if not doomed:
+            return
+        for g in doomed:
+            finished = self.w.groups[g].tokens - sum(
+                x.length for x in inst.running if x.group == g
+            )  # samples of it that are done
+            self.wasted += finished + sum(
+                x.length - x.remaining for x in inst.running if x.group == g
+            )
+            self.attempts[g] += 1
+            if self.attempts[g] < MAX_ATTEMPTS:
+                self.queue.append(g)
+            del inst.groups[g]
+            inst.predicted -= self.w.predicted_tokens[g]
+            self.issued -= 1
+        inst.running = [x for x in inst.running if x.group not in doomed]
+
+    def run(self) -> Figures:
+        self.record: dict[int, _Group] = {}
+        target = len(self.w.groups) // self.gps
+        while len(self.steps) < target:
+            self.dispatch()
+            self._ship()
+            nxt = self.heap[0][0] if self.heap else math.inf
+            if self.training_until is not None and self.training_until <= nxt:
+                self.now = self.training_until
+                self._publish()
+                continue
+            if not self.heap:
+                break  # nothing running, nothing to train: the dataset is used up
+            t, i, epoch = heapq.heappop(self.heap)
+            if epoch != self.insts[i].epoch:
+                continue
+            self.now = t
+            self._finish(self.insts[i])
+        if self.training_until is not None:
+            self.now = self.training_until
+        return self._figures()
+
+    def _figures(self) -> Figures:
+        busy = [i.busy for i in self.insts]
+        mean_busy = statistics.fmean(busy)
+        recs = [r for s in self.steps for r in s]
+        waits = [
+            at - r.finished_at for s, at in zip(self.steps, self.shipped_at, strict=True) for r in s
+        ]
+        gen = [r.finished_at - r.admitted_at for r in recs]
+        steps = [[r.index for r in s] for s in self.steps]
+        made = self.trained + self.wasted
+        return Figures(
+            throughput_tok_s=self.trained / self.now if self.now > 0 else 0.0,
+            padding_ratio=_padding(self.w, steps, self.micro, self.policy == "deltarl"),
+            skewness=max(busy) / mean_busy if mean_busy > 0 else 1.0,
+            sorting_wait=statistics.fmean(waits) / statistics.fmean(gen)
+            if gen and statistics.fmean(gen) > 0
+            else 0.0,
+            wall_s=self.now,
+            wasted_tokens_ratio=self.wasted / made if made else 0.0,
+            steps=len(self.steps),
+        )
 
 
 def _padding(workload: Workload, steps: list[list[int]], micro: int, sort: bool) -> float:
@@ -216,41 +465,6 @@ def _padding(workload: Workload, steps: list[list[int]], micro: int, sort: bool)
     return 1.0 - real / allocated if allocated else 0.0
 
 
-def _async_figures(
-    workload: Workload,
-    finished: dict[int, float],
-    insts: list[_Instance],
-    groups_per_step: int,
-    train_s: float,
-    micro: int,
-    sort: bool,
-) -> Figures:
-    done = sorted(finished, key=lambda g: finished[g])
-    steps = [done[k : k + groups_per_step] for k in range(0, len(done), groups_per_step)]
-    waits = [finished[s[-1]] - finished[g] for s in steps for g in s]
-    # The trainer takes each step when it is complete and its previous step is trained.
-    trainer = 0.0
-    for s in steps:
-        trainer = max(trainer, finished[s[-1]]) + train_s
-    wall = max(trainer, *(i.now for i in insts))
-    return _figures(workload, insts, wall, waits, _padding(workload, steps, micro, sort))
-
-
-def _figures(
-    workload: Workload, insts: list[_Instance], wall: float, waits: list[float], padding: float
-) -> Figures:
-    busy = [i.busy for i in insts]
-    mean_busy = statistics.fmean(busy)
-    tokens = sum(g.tokens for g in workload.groups)
-    return Figures(
-        throughput_tok_s=tokens / wall,
-        padding_ratio=padding,
-        skewness=max(busy) / mean_busy,
-        sorting_wait=statistics.fmean(waits) / mean_busy if waits else 0.0,
-        wall_s=wall,
-    )
-
-
 def run_policy(
     policy: str,
     workload: Workload,
@@ -260,44 +474,12 @@ def run_policy(
     train_s: float,
     refit_s: float,
     micro: int = 8,
+    lag: int = 1,
+    lookahead: int = 64,
 ) -> Figures:
     """One policy's figures on ``workload`` (the module docstring says what each does)."""
-    order = list(range(len(workload.groups)))
-    if policy == "sync":
-        clock, waits, steps = 0.0, [], []
-        busy = [0.0] * instances
-        insts: list[_Instance] = []
-        for k in range(0, len(order), groups_per_step):
-            step = order[k : k + groups_per_step]
-            queues = [step[i::instances] for i in range(instances)]  # round-robin
-            finished, insts = _generate(workload, cost, queues, clock)
-            end = max(finished.values())
-            waits += [end - finished[g] for g in step]
-            steps.append(step)
-            busy = [b + i.busy for b, i in zip(busy, insts, strict=True)]
-            clock = end + train_s + refit_s  # every instance waits for training and refit
-        for i, b in zip(insts, busy, strict=True):
-            i.busy = b
-        return _figures(workload, insts, clock, waits, _padding(workload, steps, micro, False))
-    queues: list[list[int]] = [[] for _ in range(instances)]
-    if policy == "least_requests":
-        # Each group to the instance holding the fewest requests: equal counts, whatever
-        # their lengths.
-        for g in order:
-            min(queues, key=len).append(g)
-        finished, insts = _generate(workload, cost, queues)
-        return _async_figures(workload, finished, insts, groups_per_step, train_s, micro, False)
-    if policy == "deltarl":
-        pred = workload.predicted_tokens
-        # Step by step (so the steps complete in order and training starts early), the
-        # step's groups longest predicted first, each to the instance with the least
-        # predicted work so far: long and short mixed on every instance, balanced.
-        load = [0.0] * instances
-        for k in range(0, len(order), groups_per_step):
-            for g in sorted(order[k : k + groups_per_step], key=lambda g: -pred[g]):
-                j = min(range(instances), key=load.__getitem__)
-                queues[j].append(g)
-                load[j] += pred[g]
-        finished, insts = _generate(workload, cost, queues)
-        return _async_figures(workload, finished, insts, groups_per_step, train_s, micro, True)
-    raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    return _Run(
+        policy, workload, cost, instances, groups_per_step, train_s, refit_s, lag, micro, lookahead
+    ).run()

@@ -15,7 +15,7 @@ import pytest
 
 from deltarl.sim.schedule_model import CostModel, PromptGroup, Workload, run_policy
 
-METRICS = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait"}
+METRICS = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait", "wasted_tokens_ratio"}
 
 
 def _bench(*args: str) -> tuple[int, dict[str, Any] | None, str]:
@@ -41,6 +41,7 @@ def test_the_json_contract_and_the_synchronous_loop_is_slowest() -> None:
         "speedup_vs_sync",
         "speedup_vs_least_requests",
         "real",
+        "lag",
     }
     assert result["instances"] == 8
     assert result["real"] is None  # the real-engine half is not built
@@ -65,6 +66,11 @@ def test_a_trace_replays_and_a_bad_one_is_refused(tmp_path: Path) -> None:
         )
     )
     code, result, err = _bench("--workload", str(trace), "--instances", "4")
+    assert code == 2  # 64 groups: not one step of the default 128
+    assert "fewer than one step" in err
+    code, result, err = _bench(
+        "--workload", str(trace), "--instances", "4", "--groups-per-step", "16"
+    )
     assert code == 0, err
     assert result is not None
     assert result["workload"] == str(trace)
@@ -87,3 +93,31 @@ def test_one_instance_one_group_takes_the_cost_models_time() -> None:
     assert f.wall_s == pytest.approx(expected)
     assert f.throughput_tok_s == pytest.approx(8 / expected)
     assert f.skewness == pytest.approx(1.0)
+
+
+def test_a_group_that_falls_behind_the_lag_bound_is_stopped_and_its_tokens_wasted() -> None:
+    """Lag bound 1, one group a step. The long group (2000 tokens) starts at version 0 beside
+    short ones; two short steps later the trainer is at version 2 and the long group can no
+    longer ship: it is stopped at that refit and generated again (then within the bound, as
+    nothing overtakes it). Its first run is the waste; sync (bound 0) wastes nothing."""
+    cost = CostModel(decode_base_s=0.01, decode_per_seq_s=0.0, decode_per_kctx_s=0.0,
+                     prefill_per_token_s=0.0, max_seqs=8)  # fmt: skip
+    groups = (PromptGroup(1, (2000,)), PromptGroup(1, (10,)), PromptGroup(1, (10,)))
+    w = Workload("behind", groups, (2000.0, 10.0, 10.0))
+    f = run_policy("least_requests", w, cost, 2, groups_per_step=1, train_s=0.0, refit_s=0.0)
+    assert f.steps == 3
+    assert 0 < f.wasted_tokens_ratio < 0.5
+    s = run_policy("sync", w, cost, 2, groups_per_step=1, train_s=0.0, refit_s=0.0)
+    assert (s.steps, s.wasted_tokens_ratio) == (3, 0.0)
+
+
+def test_deltarl_outruns_least_requests_on_a_long_tailed_workload() -> None:
+    from deltarl.sim.schedule_model import long_tailed  # noqa: PLC0415
+
+    w = long_tailed(prompts=512, n=8, seed=1)
+    ours, theirs = (
+        run_policy(p, w, CostModel(), 16, groups_per_step=64, train_s=3.0, refit_s=1.0)
+        for p in ("deltarl", "least_requests")
+    )
+    assert ours.throughput_tok_s > theirs.throughput_tok_s
+    assert ours.padding_ratio < theirs.padding_ratio

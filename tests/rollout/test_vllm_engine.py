@@ -545,6 +545,72 @@ def test_queued_requests_counts_requests_that_have_no_token_yet(engine: VllmEngi
     assert (engine.queued_requests(), engine.running_groups) == (0, 0)
 
 
+def test_progress_reports_the_oldest_version_and_an_aborted_group_stops(
+    engine: VllmEngine,
+) -> None:
+    engine.add_group("doomed", PROMPT, 2, {"temperature": 1.0, "max_tokens": 64, "seed": 2})
+    engine.add_group("kept", PROMPT, 1, {"temperature": 1.0, "max_tokens": 6, "seed": 3})
+    assert engine.progress() == {"doomed": (None, 0), "kept": (None, 0)}  # no token yet
+    for _ in range(3):
+        assert not engine.step()
+    progress = engine.progress()
+    assert progress["doomed"] == (engine.version, 6)  # 3 tokens each of its two samples
+    generated = engine.abort_group("doomed")
+    assert generated == 6
+    assert engine.abort_group("doomed") == 0  # gone already
+    assert engine.running_groups == 1
+    done: list[FinishedGroup] = []
+    while engine.has_work():
+        done += engine.step()
+    assert [g.group_id for g in done] == ["kept"]  # nothing of the aborted one comes back
+    assert engine.progress() == {}
+
+
+def test_the_rollout_service_reports_progress_and_aborts_what_the_scheduler_names(
+    engine: VllmEngine, tmp_path: Path
+) -> None:
+    """The daemon's side on a real engine: a step leaves each running group's progress for
+    the heartbeat; a ``Beat`` naming a group stops it in the engine and forgets it."""
+    import asyncio  # noqa: PLC0415
+
+    from deltarl.config.rl import RolloutConfig  # noqa: PLC0415
+    from deltarl.engine.daemon import DaemonContext  # noqa: PLC0415
+    from deltarl.rl.protocol import Beat, Heartbeat  # noqa: PLC0415
+    from deltarl.rollout.service import RolloutService  # noqa: PLC0415
+    from tests.rollout.test_service import Samples, Scheduler  # noqa: PLC0415
+
+    async def scenario() -> None:
+        scheduler = Scheduler(Beat(abort=["7.0", "8.0"]))  # 8.0: not held here, ignored
+        cfg = RolloutConfig(
+            control=f"ipc://{tmp_path}/r.sock",
+            scheduler=f"ipc://{tmp_path}/s.sock",
+            rollout_store="unused",
+            heartbeat_s=60.0,
+        )
+        service = RolloutService(cfg, scheduler, DaemonContext("rollout"), Samples())
+        service.engine = engine
+        engine.add_group("7.0", PROMPT, 2, {"temperature": 1.0, "max_tokens": 64, "seed": 4})
+        service.in_flight["7.0"] = 0.0
+        for _ in range(2):
+            await service._call(service._step)
+        assert service.progress == {"7.0": [engine.version, 4]}
+        beats = asyncio.create_task(service._heartbeats())
+        for _ in range(1000):  # one beat: sent, answered, handled (then it sleeps 60 s)
+            if service.aborted_groups:
+                break
+            await asyncio.sleep(0.01)
+        beats.cancel()
+        (beat,) = scheduler.sent
+        assert isinstance(beat, Heartbeat)
+        assert beat.progress == {"7.0": [engine.version, 4]}
+        assert service.in_flight == {}
+        assert (service.aborted_groups, service.aborted_tokens) == (1, 4)
+        assert not engine.has_work()
+        service._engine_thread.shutdown(wait=True)
+
+    asyncio.run(scenario())
+
+
 def test_close_after_a_step_on_the_same_thread_and_start_again(
     engine: VllmEngine, store: WeightStore
 ) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deltarl.rl.protocol import GetWork, Heartbeat, StepDone, TakeBatch, Work
+from deltarl.rl.protocol import Beat, GetWork, Heartbeat, StepDone, TakeBatch, Work
 from deltarl.rl.task import RepeatLetter
 from deltarl.scheduler.length_predictor import LengthPredictor, Record, load_history, prompt_key
 from deltarl.scheduler.plan import PlanError, build_plan, write_plan
@@ -239,5 +239,63 @@ def test_deltarl_without_a_plan_still_balances_by_throughput(tmp_path):
         # on the tie at 0.3 s of predicted wait each (a tie goes to the asker).
         assert (len(fast.groups), len(slow.groups)) == (8, 4)
         assert len(svc.store.groups(PromptState.ISSUED)) == len(fast.groups) + len(slow.groups)
+
+    run(go())
+
+
+# -- stale work: groups that can no longer ship are stopped -----------------------------------
+
+
+def test_a_held_group_over_the_lag_bound_is_requeued_aborted_and_its_tokens_wasted(tmp_path):
+    """Lag bound 1. Two groups issued at version 0; the trainer reaches version 2. The one
+    whose oldest token is version 0 is doomed (2 - 0 > 1): the heartbeat answers Beat with
+    it, it is queued again as a new attempt, its late submit is refused, and its 40 tokens so
+    far are wasted in the next step. The other's oldest token is version 1: it stays."""
+
+    async def go():
+        svc, store, _ = make_service(tmp_path, max_policy_lag_steps=1, pool_capacity=16)
+        w = await work(svc, n=2, version=0)
+        doomed, kept = (g["group_id"] for g in w.groups)
+        svc.trainer_version = 2
+        beat = Heartbeat(
+            "a",
+            "s1",
+            weight_version=2,
+            held=[doomed, kept],
+            reports_held=True,
+            progress={doomed: [0, 40], kept: [1, 12], "e3.0.0": [0, 5]},
+        )
+        reply = await svc.heartbeat(beat)
+        assert isinstance(reply, Beat)
+        assert reply.abort == [doomed]
+        assert store.counters()["requeued.doomed"] == 1
+        prompt = int(doomed.split(".")[0])
+        assert store.group(prompt).state == PromptState.QUEUED
+        assert store.group(prompt).attempt == 1
+        late = await submit_all(svc, Work([w.groups[0]]), version=0)
+        assert late[0].code == "stale_group"
+        # Heard again: nothing more to abort.
+        assert isinstance(await svc.heartbeat(beat), Ok)
+        # The waste is the next step's.
+        await submit_all(svc, await work(svc, n=2, version=2), version=2)
+        await svc.take_batch(TakeBatch(1, 2, trainer_version=2))
+        row = store.history()[0]
+        assert (row["wasted_tokens"], row["wasted_groups"]) == (40, 1)
+
+    run(go())
+
+
+def test_without_a_trainer_version_or_progress_nothing_is_aborted(tmp_path):
+    async def go():
+        svc, _, _ = make_service(tmp_path, max_policy_lag_steps=0)
+        w = await work(svc, n=1, version=0)
+        gid = w.groups[0]["group_id"]
+        beat = Heartbeat("a", "s1", 0, held=[gid], reports_held=True, progress={gid: [0, 9]})
+        assert isinstance(await svc.heartbeat(beat), Ok)  # the trainer not heard from yet
+        svc.trainer_version = 0
+        assert isinstance(await svc.heartbeat(beat), Ok)  # lag 0: within the bound
+        bad = Heartbeat("a", "s1", 0, progress={gid: "junk", "x": [None, 3]})
+        svc.trainer_version = 5
+        assert isinstance(await svc.heartbeat(bad), Ok)  # malformed figures are ignored
 
     run(go())
