@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from deltarl.atomic_file import write_atomic
 from deltarl.sim.schedule_model import (
     POLICIES,
     CostModel,
@@ -112,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-s", type=float, default=3.0, help="seconds per training step")
     ap.add_argument("--refit-s", type=float, default=1.0, help="seconds per refit (sync)")
     ap.add_argument("--cost", type=Path, help="JSON object of CostModel fields")
+    ap.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="FILE",
+        help="measure the cost model on this machine's rollout engine first, write it to FILE "
+        "(a --cost file) and use it",
+    )
+    ap.add_argument("--model-dir", type=Path, help="the engine's model (default: the tiny one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=1, help="max_policy_lag_steps (default 1)")
     args = ap.parse_args(argv)
@@ -119,6 +128,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prompts, --n, --instances and --groups-per-step must be at least 1")
     if args.lag < 0:
         ap.error("--lag must not be negative")
+    calibration = None
+    if args.calibrate:
+        from deltarl.bench.schedule_calibrate import calibrate  # noqa: PLC0415 - vLLM is heavy
+
+        cost, calibration = calibrate(args.model_dir)
+        write_atomic(args.calibrate, orjson.dumps(dataclasses.asdict(cost)))
+        print(
+            f"deltarl bench schedule: cost model measured on the engine (decode fit R^2 "
+            f"{calibration['decode_r2']:.3f} over {calibration['decode_points']} steps), "
+            f"written to {args.calibrate}",
+            file=sys.stderr,
+        )
+        args.cost = args.calibrate
     try:
         cost = CostModel(**orjson.loads(args.cost.read_bytes())) if args.cost else CostModel()
         if args.workload:
@@ -138,9 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     result = run(
         workload, cost, args.instances, args.groups_per_step, args.train_s, args.refit_s, args.lag
     )
+    result["cost_model"] = dataclasses.asdict(cost)
+    result["calibrated"] = calibration is not None or args.cost is not None
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     else:
         print(render(result))
-        print(f"  cost model: {dataclasses.asdict(cost)}")
+        print(
+            f"  cost model ({'from ' + str(args.cost) if args.cost else 'defaults'}): "
+            f"{dataclasses.asdict(cost)}"
+        )
     return 0

@@ -12,12 +12,12 @@ half a version.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from deltarl.atomic_file import write_atomic
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 
@@ -67,12 +67,7 @@ class VersionRecorder:
 
 
 def _write(path: Path, data: bytes | memoryview) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data)
 
 
 def read_versions(directory: Path) -> tuple[Layout, list[tuple[int, np.ndarray]]]:

@@ -30,9 +30,7 @@ group is a contiguous range of positions.
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +40,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from deltarl.atomic_file import write_atomic
 from deltarl.scheduler.length_predictor import SOURCES, LengthPredictor
 from deltarl.sim.schedule_model import CostModel
 
@@ -450,17 +449,7 @@ def from_json(data: dict[str, Any]) -> Plan:
 
 def write_plan(plan: Plan, path: Path) -> None:
     """Atomically: a reader sees the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(orjson.dumps(to_json(plan), option=orjson.OPT_SERIALIZE_NUMPY))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, orjson.dumps(to_json(plan)))
 
 
 def load_plan(path: Path) -> tuple[Plan, dict[str, Any]]:

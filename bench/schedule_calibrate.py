@@ -1,0 +1,89 @@
+"""The schedule model's cost model, measured on the real rollout engine of this machine.
+
+``deltarl bench schedule --calibrate FILE`` starts a ``VllmEngine`` (the embedded tiny model,
+or ``--model-dir``), and times it:
+
+- decode: groups of 1 to 48 sequences decoding side by side; every engine step that admits
+  nothing is one point (running sequences, their total context, seconds), and a least-squares
+  fit of ``seconds = base + per_seq * seqs + per_kctx * context / 1000`` gives the three decode
+  terms of ``CostModel`` (a term the fit makes negative is 0);
+- prefill: one sequence with prompts of growing length; the first step's time less the decode
+  time the fit predicts for it, over the prompt's tokens, is ``prefill_per_token_s`` (the
+  median of the prompt lengths);
+- ``max_seqs`` is the engine's ``max_num_seqs``.
+
+The fit's R^2 and point count come with it. The JSON written is the ``CostModel`` fields, what
+``--cost FILE`` reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deltarl.sim.schedule_model import CostModel
+
+BATCHES = (1, 4, 16, 48)
+DECODE_TOKENS = 48
+PROMPTS = (64, 256, 768)
+WORD = "count the apples and the pears in the basket "  # about 10 tokens for most tokenizers
+
+
+def _prompt(tokens: int) -> str:
+    return WORD * max(1, tokens // 10)
+
+
+def calibrate(model_dir: Path | None = None) -> tuple[CostModel, dict[str, Any]]:
+    """Measure the engine (module docstring); the cost model and how well it fits."""
+    from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415 - heavy
+    from deltarl.rollout.engine import VllmEngine, VllmEngineConfig  # noqa: PLC0415 - heavy
+
+    config = VllmEngineConfig(
+        model=model_dir or ensure_default_model(), max_model_len=2048, max_num_seqs=max(BATCHES)
+    )
+    points: list[tuple[int, float, float]] = []  # (seqs, context tokens, seconds)
+    firsts: list[tuple[int, float]] = []  # (prompt tokens, first step seconds)
+    with VllmEngine(config) as engine:
+        sampling = {"temperature": 1.0, "max_tokens": DECODE_TOKENS, "seed": 0}
+        engine.add_group("warm-up", _prompt(32), 2, sampling)
+        while engine.has_work():
+            engine.step()
+        for k, n in enumerate(BATCHES):
+            engine.add_group(f"decode-{k}", _prompt(32), n, sampling)
+            engine.step()  # prefill and the first token of every sequence
+            while engine.has_work():
+                reqs = list(engine._requests.values())
+                ctx = sum(len(r.prompt_token_ids) + len(r.token_ids) for r in reqs)
+                started = time.perf_counter()
+                engine.step()
+                points.append((len(reqs), float(ctx), time.perf_counter() - started))
+        for k, tokens in enumerate(PROMPTS):
+            engine.add_group(f"prefill-{k}", _prompt(tokens), 1, {**sampling, "max_tokens": 1})
+            started = time.perf_counter()
+            done = engine.step()
+            seconds = time.perf_counter() - started
+            while engine.has_work():
+                done += engine.step()
+            prompt = len(done[0].samples[0]["prompt_token_ids"]) if done else tokens
+            firsts.append((prompt, seconds))
+    x = np.array([[1.0, s, c / 1000] for s, c, _ in points])
+    y = np.array([t for _, _, t in points])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    base, per_seq, per_kctx = (max(float(v), 0.0) for v in coef)
+    fitted = x @ np.array([base, per_seq, per_kctx])
+    r2 = 1.0 - float(((y - fitted) ** 2).sum()) / float(((y - y.mean()) ** 2).sum() or 1.0)
+    prefill = statistics.median(
+        max(t - (base + per_seq + per_kctx * p / 1000), 0.0) / p for p, t in firsts
+    )
+    cost = CostModel(
+        decode_base_s=base,
+        decode_per_seq_s=per_seq,
+        decode_per_kctx_s=per_kctx,
+        prefill_per_token_s=prefill,
+        max_seqs=config.max_num_seqs,
+    )
+    return cost, {"decode_points": len(points), "decode_r2": r2, "prefill_points": firsts}
