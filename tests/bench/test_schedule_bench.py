@@ -42,7 +42,10 @@ def test_the_json_contract_and_the_synchronous_loop_is_slowest() -> None:
         "speedup_vs_least_requests",
         "real",
         "lag",
+        "cost_model",
+        "calibrated",
     }
+    assert result["calibrated"] is False  # no --cost, no --calibrate: the default cost model
     assert result["instances"] == 8
     assert result["real"] is None  # the real-engine half is not built
     assert set(result["policies"]) == {"sync", "least_requests", "deltarl"}
