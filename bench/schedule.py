@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,20 @@ def render(result: dict[str, Any]) -> str:
         f"  deltarl: {result['speedup_vs_sync']:.2f}x sync, "
         f"{result['speedup_vs_least_requests']:.3f}x least_requests"
     )
+    real = result.get("real")
+    if real:
+        lines.append(f"real engines: {real['workload']} on {real['instances']} engines")
+        for name, m in real["policies"].items():
+            lines.append(
+                f"  {name:<16}{m['throughput_tok_s']:>12.0f}{m['padding_ratio']:>10.3f}"
+                f"{m['skewness']:>10.3f}{m['sorting_wait']:>14.3f}{m['wasted_tokens_ratio']:>9.3f}"
+                f"   (model: {real['model_throughput_tok_s'][name]:.0f})"
+            )
+        lines.append(
+            f"  deltarl: {real['speedup_vs_sync']:.2f}x sync, "
+            f"{real['speedup_vs_least_requests']:.3f}x least_requests; model error "
+            f"{real['model_error']:.1%}"
+        )
     return "\n".join(lines)
 
 
@@ -121,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         "(a --cost file) and use it",
     )
     ap.add_argument("--model-dir", type=Path, help="the engine's model (default: the tiny one)")
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help="also run each policy on the real daemons (deltarl up, tiny model): minutes",
+    )
+    ap.add_argument("--real-steps", type=int, default=12, help="steps of each real run")
+    ap.add_argument("--real-rollouts", type=int, default=2, help="engines of each real run")
+    ap.add_argument("--real-dir", type=Path, help="where the real runs go (default: a new dir)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=1, help="max_policy_lag_steps (default 1)")
     args = ap.parse_args(argv)
@@ -160,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     result = run(
         workload, cost, args.instances, args.groups_per_step, args.train_s, args.refit_s, args.lag
     )
+    if args.real:
+        from deltarl.bench.schedule_real import run_real  # noqa: PLC0415 - only when used
+
+        root = args.real_dir or Path(tempfile.mkdtemp(prefix="deltarl-bench-schedule-"))
+        print(f"deltarl bench schedule: real runs in {root}", file=sys.stderr, flush=True)
+        try:
+            result["real"] = run_real(
+                root, cost, steps=args.real_steps, rollouts=args.real_rollouts, lag=args.lag
+            )
+        except RuntimeError as e:
+            print(f"deltarl bench schedule: {e}", file=sys.stderr)
+            return 1
     result["cost_model"] = dataclasses.asdict(cost)
     result["calibrated"] = calibration is not None or args.cost is not None
     if args.json:

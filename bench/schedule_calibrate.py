@@ -18,8 +18,12 @@ The fit's R^2 and point count come with it. The JSON written is the ``CostModel`
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +41,29 @@ def _prompt(tokens: int) -> str:
     return WORD * max(1, tokens // 10)
 
 
+@contextlib.contextmanager
+def _stdout_on_stderr() -> Iterator[None]:
+    """File descriptor 1 onto 2 meanwhile: vLLM logs to stdout, where the bench's one JSON
+    object must stand alone (its handler holds the stream, so swapping sys.stdout is not
+    enough)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def calibrate(model_dir: Path | None = None) -> tuple[CostModel, dict[str, Any]]:
     """Measure the engine (module docstring); the cost model and how well it fits."""
+    with _stdout_on_stderr():
+        return _calibrate(model_dir)
+
+
+def _calibrate(model_dir: Path | None) -> tuple[CostModel, dict[str, Any]]:
     from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415 - heavy
     from deltarl.rollout.engine import VllmEngine, VllmEngineConfig  # noqa: PLC0415 - heavy
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from tests.installed import require_vllm
 
@@ -28,7 +29,33 @@ def test_the_cost_model_is_measured_written_and_used(tmp_path: Path) -> None:
     assert measured["decode_per_seq_s"] + measured["decode_per_kctx_s"] > 0
     assert measured["prefill_per_token_s"] > 0
     assert measured["max_seqs"] == 48
-    result = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    (line,) = proc.stdout.strip().splitlines()  # vLLM's logs went to stderr
+    result = orjson.loads(line)
     assert result["calibrated"] is True
     assert result["cost_model"] == measured
     assert "decode fit R^2" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_real_half_runs_each_policy_on_the_daemons_and_measures_the_models_error(
+    tmp_path: Path,
+) -> None:
+    """Three `deltarl up` runs (minutes on two cores): `real` has the model half's shape plus
+    model_error, each policy's run directory holds its store, and the figures are sane."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "bench", "schedule", "--json", "--prompts", "128",
+         "--instances", "4", "--groups-per-step", "16", "--real", "--real-steps", "4",
+         "--real-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.strip().splitlines()
+    real = orjson.loads(line)["real"]
+    assert {"workload", "instances", "policies", "speedup_vs_sync", "speedup_vs_least_requests",
+            "model_error"} <= set(real)  # fmt: skip
+    assert set(real["policies"]) == {"sync", "least_requests", "deltarl"}
+    for policy, m in real["policies"].items():
+        assert m["throughput_tok_s"] > 0, policy
+        assert m["skewness"] >= 1
+        assert (tmp_path / "runs" / policy / "scheduler.sqlite").is_file()
+    assert real["model_error"] >= 0

@@ -1,0 +1,116 @@
+"""The real-engine half of ``deltarl bench schedule`` (``--real``): the same policies on the real
+daemons, and how far the model's prediction was.
+
+Each policy runs as one ``deltarl up`` of the embedded tiny model (``--rollouts`` vLLM engines
+fed by the scheduler with that ``--policy``, the trainer, export and apply agents), in a run
+directory of its own. From each run:
+
+- ``throughput_tok_s``: completion tokens trained per second in the steady state: the steps
+  after the first (whose wall time holds the engines' start) over the time from the first
+  step's end to the last's (the scheduler's ``step_tokens`` and step records);
+- ``padding_ratio``, ``skewness``, ``sorting_wait``: the run summary's (the trainer's padding,
+  the engines' busy-time skew, the median per-step sorting wait);
+- the trace: every pooled group's prompt and output lengths (the store's ``length_history``),
+  replayed through the model with the run's measured training step and refit times on as many
+  instances, for the same policy. ``model_error`` is the mean over the policies of |predicted
+  - real| / real throughput.
+
+The tiny model's completions run to its ``max_tokens`` almost always: the lengths hardly vary,
+so what length-aware dispatch removes is small here; the model is checked against the real
+runs all the same.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from deltarl.sim.schedule_model import POLICIES, CostModel, PromptGroup, Workload, run_policy
+
+GROUPS_PER_STEP = 8  # the tiny profile's (deltarl/up_models.py)
+
+
+def _up(policy: str, workdir: Path, steps: int, rollouts: int, lag: int) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "deltarl.cli", "up", "--json", "--model", "tiny",
+        "--steps", str(steps), "--rollouts", str(rollouts), "--policy", policy,
+        "--max-policy-lag", str(lag), "--workdir", str(workdir),
+    ]  # fmt: skip
+    proc = subprocess.run(  # noqa: S603 - our own entry point
+        cmd, capture_output=True, text=True, timeout=3600, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"deltarl up --policy {policy} failed:\n{proc.stderr[-4000:]}")
+    summary: dict[str, Any] = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    return summary
+
+
+def _store(workdir: Path) -> tuple[float, Workload]:
+    """Steady-state trained tokens per second, and the run's trace, from its scheduler store."""
+    conn = sqlite3.connect(f"file:{workdir / 'scheduler.sqlite'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT s.step, s.done_at, t.trained_tokens FROM steps s"
+            " JOIN step_tokens t ON t.step = s.step WHERE s.done_at IS NOT NULL ORDER BY s.step"
+        ).fetchall()
+        trace = conn.execute(
+            "SELECT prompt_tokens, outputs FROM length_history ORDER BY id"
+        ).fetchall()
+    finally:
+        conn.close()
+    if len(rows) < 2:
+        raise RuntimeError(f"{workdir}: fewer than two steps done")
+    span = float(rows[-1][1]) - float(rows[0][1])
+    throughput = sum(int(r[2]) for r in rows[1:]) / span if span > 0 else 0.0
+    groups = tuple(PromptGroup(int(p), tuple(orjson.loads(o))) for p, o in trace)
+    workload = Workload(f"trace of {workdir.name}", groups, tuple(float(g.tokens) for g in groups))
+    return throughput, workload
+
+
+def run_real(root: Path, cost: CostModel, *, steps: int, rollouts: int, lag: int) -> dict[str, Any]:
+    """``R`` of the bench's JSON: the policies on the real daemons, with the model's error."""
+    policies: dict[str, dict[str, float]] = {}
+    predicted: dict[str, float] = {}
+    for policy in POLICIES:
+        workdir = root / policy
+        summary = _up(policy, workdir, steps, rollouts, lag)
+        real, trace = _store(workdir)
+        times = summary.get("step_time") or {}
+        model = run_policy(
+            policy,
+            trace,
+            cost,
+            rollouts,
+            GROUPS_PER_STEP,
+            float(times.get("train_s") or 0.0) + float(times.get("publish_s") or 0.0),
+            float(summary.get("refit_median_s") or 0.0),
+            lag=lag,
+        )
+        predicted[policy] = model.throughput_tok_s
+        policies[policy] = {
+            "throughput_tok_s": real,
+            "padding_ratio": float(summary.get("padding_ratio_median") or 0.0),
+            "skewness": float(summary.get("skewness") or 1.0),
+            "sorting_wait": float(summary.get("sorting_wait_median") or 0.0),
+            "wasted_tokens_ratio": float(summary.get("wasted_tokens_ratio") or 0.0),
+        }
+    ours = policies["deltarl"]["throughput_tok_s"]
+    return {
+        "workload": f"deltarl up --model tiny ({steps} steps each)",
+        "instances": rollouts,
+        "policies": policies,
+        "speedup_vs_sync": ours / policies["sync"]["throughput_tok_s"],
+        "speedup_vs_least_requests": ours / policies["least_requests"]["throughput_tok_s"],
+        "model_error": statistics.fmean(
+            abs(predicted[p] - policies[p]["throughput_tok_s"]) / policies[p]["throughput_tok_s"]
+            for p in POLICIES
+        ),
+        "model_throughput_tok_s": predicted,
+        "runs": str(root),
+    }
