@@ -84,6 +84,9 @@ class VllmEngineConfig:
     # worker in this process). Each rank loads its own shard of every tensor handed over and
     # proves it through the placement map (worker_ext.py).
     tensor_parallel_size: int = 1
+    # A directory every engine sharing the pool reads and writes: prompts' KV blocks pooled
+    # across engines, keyed by weight version (kv_pool.py). None: each engine's own cache only.
+    kv_pool: str | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further ``vllm.EngineArgs`` fields, passed through unchanged (over ``cpu_engine_args``
     on CPU), except ``async_scheduling``, which is always off (``SYNC_ENGINE_ARGS``)."""
@@ -101,6 +104,11 @@ class VllmEngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
+            )
+        if self.kv_pool is not None and "kv_transfer_config" in self.engine_args:
+            raise ValueError(
+                "kv_pool and engine_args.kv_transfer_config both choose a KV connector: "
+                "give one (kv_pool is the version-keyed pool)"
             )
         for key, value in SYNC_ENGINE_ARGS.items():
             if key in self.engine_args and self.engine_args[key] != value:
@@ -304,11 +312,12 @@ class VllmEngine:
             tensor_parallel_size=cfg.tensor_parallel_size,
             worker_extension_cls=QUALNAME,
             logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
-            **{**platform_args, **cfg.engine_args, **SYNC_ENGINE_ARGS},
+            **{**platform_args, **self._pool_args(), **cfg.engine_args, **SYNC_ENGINE_ARGS},
         )
         with _llvmlite_hidden():
             self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
         self._engine.set_weight_version(str(self.version))
+        self._pool_namespace(self._engine)
         try:
             self.chat = self._chat_enabled(self._engine)
         except ValueError:
@@ -562,6 +571,7 @@ class VllmEngine:
         report["ranks"] = len(reports)
         self.version = int(report["version"])
         engine.set_weight_version(str(self.version))
+        self._pool_namespace(engine)
         report["resalted_requests"] = self._resalt(engine)
         report["rpc_seconds"] = time.perf_counter() - t0
         logger.info(
@@ -572,6 +582,23 @@ class VllmEngine:
             report["rpc_seconds"],
         )
         return report
+
+    def _pool_args(self) -> dict[str, Any]:
+        if self.config.kv_pool is None:
+            return {}
+        from deltarl.rollout.kv_pool import kv_transfer_config  # noqa: PLC0415 - imports vLLM
+
+        return {"kv_transfer_config": kv_transfer_config(self.config.kv_pool)}
+
+    def _pool_namespace(self, engine: LLMEngine) -> None:
+        """The KV pool's keys follow the weights: this version's salt in the engine core's
+        connector (this process) and in every worker's."""
+        if self.config.kv_pool is None:
+            return
+        from deltarl.rollout.kv_pool import set_namespace  # noqa: PLC0415 - imports vLLM
+
+        set_namespace(self.cache_salt)
+        engine.collective_rpc("deltarl_kv_namespace", args=(self.cache_salt,))
 
     def _resalt(self, engine: LLMEngine) -> int:
         """Move every request without a token yet into the current version's cache namespace.

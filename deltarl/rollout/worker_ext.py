@@ -82,6 +82,12 @@ class DeltaWorkerExtension:
     _deltarl_map: PlacementMap | None = None
     _deltarl_map_key: tuple[Any, int] | None = None
 
+    def deltarl_kv_namespace(self, name: str) -> None:
+        """The KV pool's namespace in this worker's process (``kv_pool.py``)."""
+        from deltarl.rollout.kv_pool import set_namespace  # noqa: PLC0415 - only with a pool
+
+        set_namespace(name)
+
     def deltarl_load_version(
         self,
         store_name: str,
