@@ -117,6 +117,39 @@ def _trace(path: Path) -> Workload:
     return from_trace(entries, str(path))
 
 
+def _convergence(args: argparse.Namespace) -> int:
+    from deltarl.bench.schedule_convergence import run_convergence  # noqa: PLC0415
+
+    root = args.real_dir or Path(tempfile.mkdtemp(prefix="deltarl-convergence-"))
+    try:
+        runs = run_convergence(
+            args.convergence,
+            model=args.convergence_model,
+            steps=args.convergence_steps,
+            root=root,
+            seed=args.seed,
+            eval_every=args.eval_every,
+        )
+    except RuntimeError as e:
+        print(f"deltarl bench schedule: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.write(orjson.dumps({"convergence": runs, "png": str(args.convergence)}).decode())
+        sys.stdout.write("\n")
+        return 0
+    for label, r in runs.items():
+        rewards = [p["reward"] for p in r["reward_curve"] if p.get("reward") is not None]
+        tail = rewards[-3:]
+        evals = ", ".join(f"{e['step']}: {e['accuracy']:.3f}" for e in r["eval"])
+        print(
+            f"{label:<16} {r['samples_trained']} samples in {r['wall_s']:.0f} s; reward "
+            f"{rewards[0]:.3f} -> {sum(tail) / len(tail):.3f} (last 3)"
+            + (f"; held-out {evals}" if evals else "")
+        )
+    print(f"curves: {args.convergence}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="deltarl bench schedule", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -144,6 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-steps", type=int, default=12, help="steps of each real run")
     ap.add_argument("--real-rollouts", type=int, default=2, help="engines of each real run")
     ap.add_argument("--real-dir", type=Path, help="where the real runs go (default: a new dir)")
+    ap.add_argument(
+        "--convergence",
+        type=Path,
+        metavar="PNG",
+        help="instead: run the model's task under sync and deltarl at lag 1 and 3 (deltarl "
+        "up, same samples) and draw their reward and held-out curves to PNG",
+    )
+    ap.add_argument("--convergence-model", default="tiny", help="tiny or smollm2-135m")
+    ap.add_argument("--convergence-steps", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, help="held-out rounds every K steps (convergence)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=1, help="max_policy_lag_steps (default 1)")
     args = ap.parse_args(argv)
@@ -151,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prompts, --n, --instances and --groups-per-step must be at least 1")
     if args.lag < 0:
         ap.error("--lag must not be negative")
+    if args.convergence:
+        return _convergence(args)
     calibration = None
     if args.calibrate:
         from deltarl.bench.schedule_calibrate import calibrate  # noqa: PLC0415 - vLLM is heavy

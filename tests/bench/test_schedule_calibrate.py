@@ -59,3 +59,23 @@ def test_the_real_half_runs_each_policy_on_the_daemons_and_measures_the_models_e
         assert m["skewness"] >= 1
         assert (tmp_path / "runs" / policy / "scheduler.sqlite").is_file()
     assert real["model_error"] >= 0
+
+
+@pytest.mark.slow
+def test_convergence_runs_three_loops_on_the_same_samples_and_draws_them(tmp_path: Path) -> None:
+    png = tmp_path / "curves.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltarl.cli", "bench", "schedule", "--json", "--convergence",
+         str(png), "--convergence-steps", "3", "--real-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.strip().splitlines()
+    runs = orjson.loads(line)["convergence"]
+    assert set(runs) == {"sync", "deltarl, lag 1", "deltarl, lag 3"}
+    assert len({r["samples_trained"] for r in runs.values()}) == 1  # the same samples each
+    for r in runs.values():
+        assert [p["step"] for p in r["reward_curve"]] == [1, 2, 3]
+        assert r["wall_s"] > 0
+    assert runs["sync"]["lag"] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
