@@ -10,13 +10,13 @@ the same samples, in how much time, to what reward.
 
 from __future__ import annotations
 
-import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import orjson
+from deltarl.bench.schedule_real import up_summary
+
+from deltarl.scheduler.store import SchedulerStore
 
 RUNS = (("sync", 0), ("deltarl", 1), ("deltarl", 3))
 
@@ -33,20 +33,14 @@ def run_convergence(
     for policy, lag in RUNS:
         label = _label(policy, lag)
         workdir = root / label.replace(", ", "-").replace(" ", "")
-        cmd = [
-            sys.executable, "-m", "deltarl.cli", "up", "--json", "--model", model,
-            "--steps", str(steps), "--policy", policy, "--max-policy-lag", str(lag),
-            "--seed", str(seed), "--workdir", str(workdir),
+        args = [
+            "--model", model, "--steps", str(steps), "--policy", policy,
+            "--max-policy-lag", str(lag), "--seed", str(seed), "--workdir", str(workdir),
         ]  # fmt: skip
         if eval_every:
-            cmd += ["--eval-every", str(eval_every)]
+            args += ["--eval-every", str(eval_every)]
         print(f"deltarl bench schedule: convergence run {label}", file=sys.stderr, flush=True)
-        proc = subprocess.run(  # noqa: S603 - our own entry point
-            cmd, capture_output=True, text=True, timeout=7200, check=False
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"deltarl up ({label}) failed:\n{proc.stderr[-4000:]}")
-        summary = orjson.loads(proc.stdout.strip().splitlines()[-1])
+        summary = up_summary(label, *args)
         runs[label] = {
             "policy": policy,
             "lag": lag,
@@ -68,12 +62,9 @@ def run_convergence(
 def _span(workdir: Path) -> float:
     """Seconds from the first step shipped to the last one trained (the engines' start left
     out, which differs from run to run for reasons of its own)."""
-    conn = sqlite3.connect(f"file:{workdir / 'scheduler.sqlite'}?mode=ro", uri=True)
-    try:
-        first, last = conn.execute("SELECT MIN(shipped_at), MAX(done_at) FROM steps").fetchone()
-    finally:
-        conn.close()
-    return float(last) - float(first)
+    with SchedulerStore(workdir / "scheduler.sqlite", readonly=True) as store:
+        rows = store.history()
+    return max(float(r["done_at"]) for r in rows) - min(float(r["shipped_at"]) for r in rows)
 
 
 def _draw(out: Path, runs: dict[str, Any], model: str) -> None:

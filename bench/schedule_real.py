@@ -22,7 +22,6 @@ runs all the same.
 
 from __future__ import annotations
 
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -31,44 +30,39 @@ from typing import Any
 
 import orjson
 
+from deltarl.scheduler.store import SchedulerStore
 from deltarl.sim.schedule_model import POLICIES, CostModel, PromptGroup, Workload, run_policy
 
 GROUPS_PER_STEP = 8  # the tiny profile's (deltarl/up_models.py)
 
 
-def _up(policy: str, workdir: Path, steps: int, rollouts: int, lag: int) -> dict[str, Any]:
-    cmd = [
-        sys.executable, "-m", "deltarl.cli", "up", "--json", "--model", "tiny",
-        "--steps", str(steps), "--rollouts", str(rollouts), "--policy", policy,
-        "--max-policy-lag", str(lag), "--workdir", str(workdir),
-    ]  # fmt: skip
+def up_summary(label: str, *args: str) -> dict[str, Any]:
+    """``deltarl up --json ARGS`` in a process of its own; its summary (RuntimeError with the
+    end of its log if it fails)."""
+    cmd = [sys.executable, "-m", "deltarl.cli", "up", "--json", *args]
     proc = subprocess.run(  # noqa: S603 - our own entry point
-        cmd, capture_output=True, text=True, timeout=3600, check=False
+        cmd, capture_output=True, text=True, timeout=7200, check=False
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"deltarl up --policy {policy} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"deltarl up ({label}) failed:\n{proc.stderr[-4000:]}")
     summary: dict[str, Any] = orjson.loads(proc.stdout.strip().splitlines()[-1])
     return summary
 
 
 def _store(workdir: Path) -> tuple[float, Workload]:
     """Steady-state trained tokens per second, and the run's trace, from its scheduler store."""
-    conn = sqlite3.connect(f"file:{workdir / 'scheduler.sqlite'}?mode=ro", uri=True)
-    try:
-        rows = conn.execute(
-            "SELECT s.step, s.done_at, t.trained_tokens FROM steps s"
-            " JOIN step_tokens t ON t.step = s.step WHERE s.done_at IS NOT NULL ORDER BY s.step"
-        ).fetchall()
-        trace = conn.execute(
-            "SELECT prompt_tokens, outputs FROM length_history ORDER BY id"
-        ).fetchall()
-    finally:
-        conn.close()
+    with SchedulerStore(workdir / "scheduler.sqlite", readonly=True) as store:
+        rows = [
+            r
+            for r in store.history()
+            if r.get("done_at") is not None and r.get("trained_tokens") is not None
+        ]
+        trace = store.length_records()
     if len(rows) < 2:
         raise RuntimeError(f"{workdir}: fewer than two steps done")
-    span = float(rows[-1][1]) - float(rows[0][1])
-    throughput = sum(int(r[2]) for r in rows[1:]) / span if span > 0 else 0.0
-    groups = tuple(PromptGroup(int(p), tuple(orjson.loads(o))) for p, o in trace)
+    span = float(rows[-1]["done_at"]) - float(rows[0]["done_at"])
+    throughput = sum(int(r["trained_tokens"]) for r in rows[1:]) / span if span > 0 else 0.0
+    groups = tuple(PromptGroup(p, tuple(o)) for _, _, _, p, o in trace)
     workload = Workload(f"trace of {workdir.name}", groups, tuple(float(g.tokens) for g in groups))
     return throughput, workload
 
@@ -79,7 +73,11 @@ def run_real(root: Path, cost: CostModel, *, steps: int, rollouts: int, lag: int
     predicted: dict[str, float] = {}
     for policy in POLICIES:
         workdir = root / policy
-        summary = _up(policy, workdir, steps, rollouts, lag)
+        summary = up_summary(
+            f"--policy {policy}",
+            "--model", "tiny", "--steps", str(steps), "--rollouts", str(rollouts),
+            "--policy", policy, "--max-policy-lag", str(lag), "--workdir", str(workdir),
+        )  # fmt: skip
         real, trace = _store(workdir)
         times = summary.get("step_time") or {}
         model = run_policy(

@@ -36,10 +36,6 @@ def set_namespace(name: str) -> None:
     _namespace[0] = name
 
 
-def namespace() -> str:
-    return _namespace[0]
-
-
 def kv_transfer_config(path: str) -> dict[str, Any]:
     """The ``kv_transfer_config`` engine argument of a pool at ``path`` (a directory every
     engine sharing the pool can read and write)."""

@@ -205,16 +205,16 @@ class RolloutService(DaemonCore):
         """The scheduler requeued these groups (they can no longer ship within its lag bound):
         stop generating them. One that finished meanwhile is being submitted: that submit is
         refused as stale, and nothing else happens."""
-        for gid in group_ids:
-            if gid not in self.in_flight or self.engine is None:
-                continue
+        held = [g for g in group_ids if g in self.in_flight]
+        if self.engine is None or not held:
+            return
+        for gid in held:
             tokens = await self._call(self.engine.abort_group, gid)
             self.in_flight.pop(gid, None)
             self.progress.pop(gid, None)
             self.aborted_groups += 1
             self.aborted_tokens += int(tokens)
-        if group_ids:
-            logger.info("aborted %d groups the scheduler requeued as doomed", len(group_ids))
+        logger.info("aborted %d groups the scheduler requeued as doomed", len(held))
 
     async def _get_work(self, room: int) -> None:
         reply = await self._ask(

@@ -160,6 +160,21 @@ def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> None:
         row["sorting_wait"] = queue / gen if gen and queue is not None else None
 
 
+def records(conn: sqlite3.Connection) -> list[tuple[str, int, str, int, list[int]]]:
+    """Every row, oldest first: (task, prompt key, prompt text, prompt tokens, each sample's
+    completion tokens). Empty for a store written before this table existed."""
+    found = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'length_history'"
+    ).fetchone()
+    if found is None:
+        return []
+    rows = conn.execute(
+        "SELECT task, prompt_key, prompt_text, prompt_tokens, outputs FROM length_history"
+        " ORDER BY id"
+    )
+    return [(str(t), int(k), str(x), int(p), orjson.loads(o)) for t, k, x, p, o in rows]
+
+
 def planned(conn: sqlite3.Connection) -> list[tuple[int, float, float]]:
     """(bucket, planned, actual mean) of every group dispatched on a plan, oldest first: what
     the online correction is rebuilt from at a start."""

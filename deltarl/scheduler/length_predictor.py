@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import re
-import sqlite3
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -35,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import orjson
 import xxhash
+
+from deltarl.scheduler.store import SchedulerStore
 
 SOURCES = ("history", "prompt_stats", "learned", "default")
 MIN_FIT_ROWS = 16
@@ -140,21 +140,13 @@ class LengthPredictor:
 
 def load_history(paths: Sequence[Path]) -> list[Record]:
     """Every recorded group in these scheduler stores (sqlite files, or run directories holding
-    one at ``scheduler.sqlite``), read-only. A store from before ``length_log`` has none."""
+    one at ``scheduler.sqlite``), opened read-only. A store from before ``length_log`` has
+    none."""
     out: list[Record] = []
     for path in paths:
         db = path / "scheduler.sqlite" if path.is_dir() else path
         if not db.is_file():
             raise FileNotFoundError(f"{path}: no scheduler store there")
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
-            has = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'length_history'"
-            ).fetchone()
-            if has is None:
-                continue
-            rows = conn.execute("SELECT task, prompt_key, prompt_text, outputs FROM length_history")
-            out += [Record(t, int(k), str(x), tuple(orjson.loads(o))) for t, k, x, o in rows]
-        finally:
-            conn.close()
+        with SchedulerStore(db, readonly=True) as store:
+            out += [Record(t, k, x, tuple(o)) for t, k, x, _, o in store.length_records()]
     return out

@@ -193,31 +193,31 @@ def _balance(
     timed: Callable[[list[int]], float],
     instances: int,
     max_skew: float,
-) -> tuple[list[tuple[int, int, list[int]]], list[float]]:
+) -> tuple[list[tuple[int, int, list[int], float]], list[float]]:
     """LPT: batches longest predicted time first, each to the least loaded instance. While the
     predicted skew is over ``max_skew``, the longest batch of the busiest instance that has two
     prompts or more is split in two and the whole is placed again (smaller batches balance
-    better, at some padding). (instance, bucket, ids) in placing order, and the loads."""
-    batches = list(packed)
+    better, at some padding). (instance, bucket, ids, predicted seconds) in placing order,
+    and the loads. Each batch is timed once, when it is made."""
+    batches = [(timed(ids), b, ids) for b, ids in packed]
     while True:
-        order = sorted(batches, key=lambda x: (-timed(x[1]), x[1][0]))
+        batches.sort(key=lambda x: (-x[0], x[2][0]))
         load = [0.0] * instances
-        placed: list[tuple[int, int, list[int]]] = []
-        for b, ids in order:
+        placed: list[tuple[int, int, list[int], float]] = []
+        for t, b, ids in batches:
             j = min(range(instances), key=lambda k: (load[k], k))
-            load[j] += timed(ids)
-            placed.append((j, b, ids))
+            load[j] += t
+            placed.append((j, b, ids, t))
         mean = statistics.fmean(load)
         if mean <= 0 or max(load) / mean <= max_skew:
             return placed, load
         busiest = max(range(instances), key=lambda k: load[k])
-        splittable = [(b, ids) for j, b, ids in placed if j == busiest and len(ids) > 1]
+        splittable = [k for k, (j, _, ids, _) in enumerate(placed) if j == busiest and len(ids) > 1]
         if not splittable:
             return placed, load  # as good as it gets: validate judges it
-        b, ids = splittable[0]  # placed longest first: the longest of them
-        batches.remove((b, ids))
+        _, b, ids = batches.pop(splittable[0])  # placed longest first: the longest of them
         half = len(ids) // 2
-        batches += [(b, ids[:half]), (b, ids[half:])]
+        batches += [(timed(ids[:half]), b, ids[:half]), (timed(ids[half:]), b, ids[half:])]
 
 
 def _batch_time(cost: CostModel, seqs: int, longest: float, prompt_tokens: float) -> float:
@@ -275,7 +275,7 @@ def build_plan(
 
         placed, load = _balance(packed, timed, instances, max_skew)
         start = len(order)
-        for j, b, ids in placed:
+        for j, b, ids, seconds in placed:
             first = len(order)
             order.extend(ids)
             batches.append(
@@ -287,7 +287,7 @@ def build_plan(
                     j,
                     group_size * sum(predicted[i] for i in ids),
                     group_size * len(ids) * math.ceil(max(predicted[i] for i in ids)),
-                    timed(ids),
+                    seconds,
                 )
             )
         groups.append(ScheduleGroup(start, len(order), tuple(load)))

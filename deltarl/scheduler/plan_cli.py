@@ -108,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, orjson.JSONDecodeError) as e:
         print(f"deltarl plan: {e}", file=sys.stderr)
         return 2
-    stats = {**plan_stats(plan), "bucket_boundaries": list(plan.bucket_boundaries)}
     code = 0
     try:
-        validate(plan)
+        figures = validate(plan)
     except PlanError as e:
         print(f"deltarl plan: refused: {e}", file=sys.stderr)
         code = EXIT_REFUSED
+        figures = plan_stats(plan)
+    stats = {**figures, "bucket_boundaries": list(plan.bucket_boundaries)}
     if code == 0 and args.out:
         write_plan(plan, args.out)
     written = args.out if code == 0 else None

@@ -97,6 +97,10 @@ class PlanView:
         self.factors = [1.0] * (len(plan.bucket_boundaries) + 1)
         self.observed = [0] * len(self.factors)
 
+    def covers(self, prompt_id: int) -> bool:
+        """Whether the scheduler's ``prompt_id`` is a position of this plan."""
+        return 0 <= prompt_id < self.plan.size
+
     def bucket(self, position: int) -> int:
         return self.plan.bucket_of(self.plan.predicted_tokens[position])
 

@@ -135,12 +135,15 @@ class PredictedWait:
                 rate[i.name] = rates.get(i.name, known)
                 wait[i.name] = i.predicted_tokens / rate[i.name]
         predicted = candidates.predicted or {}
-        queued = list(candidates.queued)
+        queued = set(candidates.queued)
+
+        def longest_first(p: int) -> tuple[float, int]:
+            return -predicted.get(p, 1.0), p
+
         # Queued prompts were passed over or taken back: they go before fresh ones, longest
         # first among them, so none waits behind the window for ever.
-        ranked = sorted(queued, key=lambda p: (-predicted.get(p, 1.0), p)) + sorted(
-            (p for p in candidates.fresh if p not in set(queued)),
-            key=lambda p: (-predicted.get(p, 1.0), p),
+        ranked = sorted(queued, key=longest_first) + sorted(
+            (p for p in candidates.fresh if p not in queued), key=longest_first
         )
         chosen: list[int] = []
         # What may be issued now (the room) is shared out, not the whole look-ahead: the asker

@@ -212,7 +212,7 @@ class SchedulerService(DaemonCore):
 
     def predicted_tokens(self, prompt_id: int) -> float | None:
         """A group's predicted completion tokens (all samples), or None without a plan."""
-        if self.plan is None or not 0 <= prompt_id < self.plan.plan.size:
+        if self.plan is None or not self.plan.covers(prompt_id):
             return None
         return self.plan.predicted(prompt_id) * self.config.group_size
 
@@ -675,7 +675,7 @@ class SchedulerService(DaemonCore):
             instance=group.instance,
         )
         view = self.plan
-        if view is None or not 0 <= group.prompt_id < view.plan.size or not outputs:
+        if view is None or not view.covers(group.prompt_id) or not outputs:
             return note
         bucket, planned = view.bucket(group.prompt_id), view.planned(group.prompt_id)
         note = dataclasses.replace(

@@ -176,6 +176,11 @@ class SchedulerStore(EvalTables, StepRetention):
             row["checkpointed"] = bool(row["checkpointed"])
         return rows
 
+    def length_records(self) -> list[tuple[str, int, str, int, list[int]]]:
+        """``length_log.records``: every pooled group's lengths, the planner's history."""
+        with self._read() as conn:
+            return length_log.records(conn)
+
     def planned_lengths(self) -> list[tuple[int, float, float]]:
         """``length_log.planned``: the online length correction's record."""
         with self._read() as conn:
@@ -298,6 +303,7 @@ class SchedulerStore(EvalTables, StepRetention):
         (``token_waste``, recorded with the next step), counted ``requeued.doomed``. The group
         ids requeued (an id not issued to that session now is left alone)."""
         done: list[str] = []
+        wasted = 0
         with self._lock, self._write() as conn:
             for gid, tokens in doomed.items():
                 ids = parse_group_id(gid)
@@ -311,9 +317,10 @@ class SchedulerStore(EvalTables, StepRetention):
                 if found is None:
                     continue
                 self._requeue(conn, ids[0], "doomed")
-                token_waste.wasted(conn, max(int(tokens), 0), 1)
+                wasted += max(int(tokens), 0)
                 done.append(gid)
             if done:
+                token_waste.wasted(conn, wasted, len(done))
                 self._bump(conn, "requeued.doomed", len(done))
         return done
 

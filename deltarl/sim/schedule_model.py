@@ -263,6 +263,7 @@ class _Run:
         self.wasted = 0
         self.trained = 0
         self.now = 0.0
+        self.record: dict[int, _Group] = {}  # each group's latest attempt
 
     # -- dispatch -----------------------------------------------------------------------
 
@@ -404,7 +405,6 @@ class _Run:
         inst.running = [x for x in inst.running if x.group not in doomed]
 
     def run(self) -> Figures:
-        self.record: dict[int, _Group] = {}
         target = len(self.w.groups) // self.gps
         while len(self.steps) < target:
             self.dispatch()
@@ -428,20 +428,18 @@ class _Run:
     def _figures(self) -> Figures:
         busy = [i.busy for i in self.insts]
         mean_busy = statistics.fmean(busy)
-        recs = [r for s in self.steps for r in s]
         waits = [
             at - r.finished_at for s, at in zip(self.steps, self.shipped_at, strict=True) for r in s
         ]
-        gen = [r.finished_at - r.admitted_at for r in recs]
+        gen = [r.finished_at - r.admitted_at for s in self.steps for r in s]
+        mean_gen = statistics.fmean(gen) if gen else 0.0
         steps = [[r.index for r in s] for s in self.steps]
         made = self.trained + self.wasted
         return Figures(
             throughput_tok_s=self.trained / self.now if self.now > 0 else 0.0,
             padding_ratio=_padding(self.w, steps, self.micro, self.policy == "deltarl"),
             skewness=max(busy) / mean_busy if mean_busy > 0 else 1.0,
-            sorting_wait=statistics.fmean(waits) / statistics.fmean(gen)
-            if gen and statistics.fmean(gen) > 0
-            else 0.0,
+            sorting_wait=statistics.fmean(waits) / mean_gen if mean_gen > 0 else 0.0,
             wall_s=self.now,
             wasted_tokens_ratio=self.wasted / made if made else 0.0,
             steps=len(self.steps),
