@@ -58,13 +58,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "home"
 
 
-def up_json(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def up_json(home: Path, *args: str, timeout: float = 840) -> subprocess.CompletedProcess[str]:
     """``deltarl up --json ARGS`` in a process of its own, which must succeed."""
     proc = subprocess.run(
         [sys.executable, "-m", "deltarl.cli", "up", "--json", *args],
         capture_output=True,
         text=True,
-        timeout=840,
+        timeout=timeout,
         check=False,
         env={**os.environ, "DELTARL_HOME": str(home)},
     )
@@ -250,6 +250,30 @@ def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
     assert result["duplicate_samples"] == 0
     assert result["samples_trained"] == steps * 8 * 8
     assert "rollout-2" in proc.stderr  # the summary's line per engine
+
+
+@pytest.mark.slow
+def test_smollm2_learns_arithmetic_beyond_its_control(home: Path) -> None:
+    """The real model learns: 15 steps at the profile's lr take greedy held-out accuracy
+    clearly above where the same seeds leave it at lr 1e-12 (about 16 minutes each on two
+    cores; measured: 0.055 -> 0.180 against 0.055 flat). Greedy decoding of an unmoved policy
+    is deterministic, so the control's curve is its noise: flat. Three binomial standard
+    errors at the baseline's accuracy are about 0.06 on 128 problems."""
+    runs = {}
+    for name, lr in (("trained", []), ("control", ["--lr", "1e-12"])):
+        proc = up_json(home, "--model", "smollm2-135m", "--steps", "15", *lr, timeout=1800)
+        runs[name] = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    for r in runs.values():
+        assert (r["model"], r["task"]) == ("smollm2-135m", "arithmetic")
+        assert r["refit_bit_exact"] is True
+        assert r["duplicate_samples"] == 0
+        assert [e["step"] for e in r["eval_curve"]] == [0, 5, 10, 15]
+        assert not any(e["partial"] for e in r["eval_curve"])
+    control, trained = runs["control"], runs["trained"]
+    assert trained["eval_accuracy_first"] == control["eval_accuracy_first"]  # the same start
+    assert {e["accuracy"] for e in control["eval_curve"]} == {control["eval_accuracy_first"]}
+    assert trained["eval_accuracy_last"] >= control["eval_accuracy_last"] + 0.06
+    assert trained["reward_last"] > control["reward_last"]
 
 
 @pytest.mark.slow

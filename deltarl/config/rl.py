@@ -119,6 +119,13 @@ class RLTrainerConfig(DaemonTable):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model trains: "auto" is a GPU where torch sees one (rank r on GPU r modulo
     their number, the ranks in one NCCL group), else the CPU (one gloo group)."""
+    compute_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """What the forward and backward passes compute in. The master weights, gradients and
+    AdamW stay float32 whatever it is; "bfloat16" runs the matmuls under torch.autocast, as
+    RL trainers on GPUs do; "auto" picks bfloat16 where the device has bf16 arithmetic (a GPU
+    that supports it, a CPU with AVX512-BF16 or AMX) and float32 elsewhere, where emulated
+    bf16 is slower than float32. Measured on a 2-core AVX512-BF16 CPU: a SmolLM2-135M
+    forward and backward of 4 x 110 tokens took 1.8 s in bf16 against 3.1 s in float32."""
     rank_timeout_s: float = 600.0
     """How long a collective may wait for a rank that does not answer (one that died is seen
     at once): then the step fails and the daemon exits for its supervisor to restart it."""
@@ -131,6 +138,10 @@ class RLTrainerConfig(DaemonTable):
         positive(self, "lr", "clip_eps", "wait_s", "request_timeout_s", "rank_timeout_s")
         if self.ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {self.ranks}")
+        if self.compute_dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(
+                f'compute_dtype must be "float32", "bfloat16" or "auto", got {self.compute_dtype!r}'
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f'device must be "auto", "cpu" or "cuda", got {self.device!r}')
         non_negative(self, "weight_decay", "kl_coef", "max_grad_norm", "max_steps", "threads")

@@ -192,21 +192,50 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int = 0) -> GRPOBatch:
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    temperature: float = 1.0,
+    first: int = 0,
 ) -> Tensor:
     """[B, T-1] log-probability of each next token under ``model`` (teacher forcing), in the
     distribution sampled at ``temperature``: ``log_softmax(logits / temperature)``, what vLLM
     records as the processed log-probability of a token it drew at that temperature.
 
+    ``first``: the first target column anyone reads (the loss reads completion tokens only).
+    Columns before it are 0, and the model's output head runs only from it on where its
+    forward takes ``logits_to_keep`` (Hugging Face's causal LMs do): the prompt is most of a
+    short completion's sequence, and the head over a 49k vocabulary a quarter of a small
+    model's work per token.
+
     ``logit - logsumexp`` rather than ``log_softmax`` then gather: it never materialises a
     second [B, T, vocab] tensor.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    logits = out.logits[:, :-1].float()
+    width = input_ids.shape[1] - 1
+    first = max(0, min(first, width))
+    kwargs: dict[str, object] = {}
+    if first and _takes_logits_to_keep(model):
+        kwargs["logits_to_keep"] = width + 1 - first  # the last positions: first .. T-1
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    logits = out.logits[:, -(width + 1 - first) : -1] if kwargs else out.logits[:, first:-1]
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    targets = input_ids[:, first + 1 :].unsqueeze(-1)
+    picked = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not first:
+        return picked
+    return torch.cat([picked.new_zeros(picked.shape[0], first), picked], dim=1)
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    import inspect  # noqa: PLC0415 - once per model, cached below
+
+    cached = getattr(model, "_deltarl_logits_to_keep", None)
+    if cached is None:
+        cached = "logits_to_keep" in inspect.signature(model.forward).parameters
+        model._deltarl_logits_to_keep = cached  # type: ignore[assignment]
+    return bool(cached)
 
 
 @dataclass(frozen=True)
@@ -284,6 +313,9 @@ class GRPOConfig:
     temperature: float = 1.0
     """The temperature the batch was sampled at (``Batch.temperature``): the policy and
     reference log-probabilities are taken at it, as the behaviour ones were."""
+    bf16: bool = False
+    """Run the forward and backward passes under bf16 autocast (the trainer's
+    ``compute_dtype``); parameters, gradients and the optimizer stay float32."""
 
 
 @dataclass(frozen=True)
@@ -336,13 +368,19 @@ def train_step(
         if micro.tokens == 0:
             continue  # nothing to learn from, and a forward pass would cost for nothing
         micro = micro.to(device)  # noqa: PLW2901 - the same micro-batch, on the model's device
-        logp = token_logprobs(model, micro.input_ids, micro.attention_mask, config.temperature)
-        ref = None
-        if reference is not None:
-            with torch.no_grad():
-                ref = token_logprobs(
-                    reference, micro.input_ids, micro.attention_mask, config.temperature
-                )
+        # The first column with a completion target: the prompt's positions feed the
+        # attention, but their log-probabilities are never read.
+        first = int(micro.loss_mask.any(dim=0).nonzero()[0])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+            logp = token_logprobs(
+                model, micro.input_ids, micro.attention_mask, config.temperature, first
+            )
+            ref = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(
+                        reference, micro.input_ids, micro.attention_mask, config.temperature, first
+                    )
         loss, sums = grpo_loss(
             logp,
             micro.behaviour_logprobs,

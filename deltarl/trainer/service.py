@@ -153,7 +153,25 @@ def build_model(cfg: RLTrainerConfig, rank: int = 0) -> Built:
 
 def grpo_config(cfg: RLTrainerConfig, temperature: float) -> GRPOConfig:
     """The GRPO settings of a step sampled at ``temperature``, the same on every rank."""
-    return GRPOConfig(cfg.clip_eps, cfg.kl_coef, cfg.max_grad_norm, cfg.micro_batch, temperature)
+    return GRPOConfig(
+        cfg.clip_eps,
+        cfg.kl_coef,
+        cfg.max_grad_norm,
+        cfg.micro_batch,
+        temperature,
+        bf16=computes_bf16(cfg.compute_dtype, train_device(cfg)),
+    )
+
+
+def computes_bf16(compute_dtype: str, device: torch.device) -> bool:
+    """Whether ``compute_dtype`` means bf16 autocast on ``device`` ("auto": where the device
+    has bf16 arithmetic; emulated, bf16 is slower than float32)."""
+    if compute_dtype != "auto":
+        return compute_dtype == "bfloat16"
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    cpu = torch.cpu
+    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
 
 
 class TrainerService(DaemonCore):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from deltarl.trainer.grpo import (
     token_logprobs,
     train_step,
 )
+from deltarl.trainer.service import computes_bf16
 from tests.trainer.tiny import sample_groups, tiny_model
 
 
@@ -253,6 +255,106 @@ def test_log_probabilities_are_taken_at_the_batch_temperature(temperature: float
     assert at_t.clip_frac == 0.0
     at_one = train_step(model, opt, batch, GRPOConfig(max_grad_norm=0))
     assert at_one.kl_behaviour > 1e-4
+
+
+class _NoKeepArgument(torch.nn.Module):
+    """A causal LM whose forward has no ``logits_to_keep``: the head then runs everywhere."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool
+    ) -> object:
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_log_probabilities_from_the_first_completion_column_match_the_full_ones(
+    wrapped: bool,
+) -> None:
+    """The head runs only from ``first`` on (through ``logits_to_keep`` where the model takes
+    it, by slicing where it does not): the columns from ``first`` equal the full computation's,
+    the ones before are 0, and train_step gives the loss it gave on the full columns."""
+    inner = tiny_model(0)
+    model = _NoKeepArgument(inner) if wrapped else inner
+    groups = [
+        _group("a", _sample([1, 2, 3, 4], [5, 6, 7], 1.0), _sample([9, 8, 7, 6, 5], [4], 0.0)),
+    ]
+    batch = build_batch(groups)
+    first = int(batch.loss_mask.any(dim=0).nonzero()[0])
+    assert first == 3  # the shorter prompt's last position predicts its first completion token
+    with torch.no_grad():
+        full = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7)
+        part = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, first)
+    assert part.shape == full.shape
+    assert torch.equal(part[:, :first], torch.zeros(2, first))
+    assert torch.allclose(part[:, first:], full[:, first:], atol=1e-5)
+    assert getattr(model, "_deltarl_logits_to_keep", None) is (not wrapped)
+    on = batch.loss_mask > 0
+    batch.behaviour_logprobs.copy_(full * batch.loss_mask)
+    stats = train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), batch, GRPOConfig(temperature=0.7)
+    )
+    expected = -(batch.advantages * batch.loss_mask.sum(dim=1)).sum().item() / int(on.sum())
+    assert stats.loss == pytest.approx(expected, abs=1e-5)
+    assert stats.kl_behaviour == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_bf16_step_keeps_float32_weights_and_close_log_probabilities() -> None:
+    """compute_dtype bfloat16: the passes run under autocast, the parameters, gradients and
+    optimizer stay float32, and the step's figures stay close to the float32 step's."""
+    groups = [
+        _group("a", _sample([1, 2], [3, 4, 5, 6], 1.0), _sample([1, 2], [9, 9], 0.0)),
+        _group("b", _sample([4, 4, 4], [5, 5], 0.0), _sample([4, 4, 4], [6, 6, 6], 3.0)),
+    ]
+    stats = {}
+    models = {}
+    for bf16 in (False, True):
+        m = tiny_model(0)
+        batch = build_batch(groups)
+        with torch.no_grad():
+            batch.behaviour_logprobs.copy_(
+                token_logprobs(m, batch.input_ids, batch.attention_mask) * batch.loss_mask
+            )
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        stats[bf16] = train_step(m, opt, batch, GRPOConfig(bf16=bf16))
+        models[bf16] = m
+    assert all(p.dtype == torch.float32 for p in models[True].parameters())
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in models[True].parameters())
+    # bf16 rounds the log-probabilities (the ratio is no longer exactly 1), not the step.
+    assert 0.0 < stats[True].kl_behaviour < 1e-3
+    assert stats[True].loss == pytest.approx(stats[False].loss, abs=2e-2)
+    assert stats[True].grad_norm == pytest.approx(stats[False].grad_norm, rel=0.1)
+    moved = [
+        (a - b).abs().max().item()
+        for a, b in zip(models[True].parameters(), tiny_model(0).parameters(), strict=True)
+    ]
+    assert max(moved) > 0
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def test_compute_dtype_auto_follows_the_cpus_bf16_instructions() -> None:
+    cpu = torch.device("cpu")
+    assert computes_bf16("float32", cpu) is False
+    assert computes_bf16("bfloat16", cpu) is True
+    # /proc/cpuinfo, not torch, is the witness of what the CPU has.
+    assert computes_bf16("auto", cpu) is bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    with pytest.raises(ValueError, match="compute_dtype"):
+        RLTrainerConfig(
+            control="tcp://127.0.0.1:1",
+            scheduler="tcp://127.0.0.1:2",
+            published_store="x",
+            model_dir=Path("m"),
+            checkpoint_dir=Path("c"),
+            compute_dtype="float16",  # type: ignore[arg-type]
+        )
 
 
 def test_equal_rewards_move_nothing() -> None:
