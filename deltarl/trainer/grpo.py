@@ -217,8 +217,8 @@ def token_logprobs(
     if first and _takes_logits_to_keep(model):
         kwargs["logits_to_keep"] = width + 1 - first  # the last positions: first .. T-1
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
-    logits = out.logits[:, -(width + 1 - first) : -1] if kwargs else out.logits[:, first:-1]
-    logits = logits.float()
+    # With logits_to_keep the head gave positions first .. T-1 only; else every position.
+    logits = (out.logits[:, :-1] if kwargs else out.logits[:, first:-1]).float()
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, first + 1 :].unsqueeze(-1)
