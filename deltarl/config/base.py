@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from deltarl.config.checks import endpoints, positive
+from deltarl.ops.exposition import parse_address
 
 DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below the shortest TimeoutStopSec of the units (30 s)
 
@@ -24,9 +25,14 @@ class DaemonTable:
     control: str
     """The daemon's control endpoint (``ipc://PATH`` or ``tcp://HOST:PORT``)."""
     drain_timeout_s: float = field(default=DEFAULT_DRAIN_TIMEOUT_S, kw_only=True)
+    metrics: str | None = field(default=None, kw_only=True)
+    """Where the daemon serves its Prometheus metrics (``GET /metrics``): ``HOST:PORT`` or
+    ``unix:/PATH``; unset, none are served. One address per daemon."""
 
     def __post_init__(self) -> None:
         positive(self, "drain_timeout_s")
+        if self.metrics is not None:
+            parse_address(self.metrics)  # ValueError names the key and says what is wanted
         endpoints(self, *(f.name for f in dataclasses.fields(self) if f.name in _ENDPOINTS))
 
 

@@ -72,6 +72,7 @@ def run(
         make,
         events=getattr(cfg, "events", None),  # only the daemons that publish have one
         drain_timeout_s=cfg.drain_timeout_s,
+        metrics=cfg.metrics,
     )
     try:
         loop.run(main)

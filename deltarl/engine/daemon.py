@@ -56,6 +56,8 @@ from deltarl.engine.actor import Actor, ActorStopped, AskTimeout
 from deltarl.engine.loop import LoopLagMonitor
 from deltarl.engine.notify import Notifier
 from deltarl.engine.supervisor import Escalate, Supervisor
+from deltarl.ops.exposition import MetricsServer
+from deltarl.ops.metrics import deltarl_version, register_runtime
 from deltarl.transport.control import ControlServer, Handler
 from deltarl.transport.events import EventPublisher
 from deltarl.transport.messages import (
@@ -76,6 +78,7 @@ from deltarl.transport.messages import (
 logger = logging.getLogger(__name__)
 
 from deltarl.config.base import DEFAULT_DRAIN_TIMEOUT_S  # noqa: E402
+from deltarl.config.errors import ConfigError  # noqa: E402
 
 COMMAND_TIMEOUT_S = 30.0  # a core command waiting in the mailbox and running, at most
 
@@ -385,10 +388,13 @@ async def serve(
     *,
     events: str | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    metrics: str | None = None,
 ) -> None:
     """Run one daemon until it stops; raises EscalationError if its core failed.
 
     ``build`` makes the core (it may raise ConfigError: nothing has been bound yet then).
+    ``metrics`` (``HOST:PORT`` or ``unix:PATH``) serves the ``deltarl_*`` metrics there
+    (deltarl/ops/exposition.py); an address that cannot be bound is a ConfigError.
     """
     started = time.monotonic()
     notifier = Notifier.from_environ()
@@ -400,8 +406,20 @@ async def serve(
     supervisor = Supervisor(name, notifier=notifier, handle_signals=False)
     core_actor = CoreActor(name, core, supervisor, context)
     core_actor.drain_timeout_s = drain_timeout_s
-    supervisor.add(ControlActor(name, control, core_actor, context, started), Escalate())
+    control_actor = ControlActor(name, control, core_actor, context, started)
+    supervisor.add(control_actor, Escalate())
     supervisor.add(core_actor, Escalate())
+    exporter = None if metrics is None else MetricsServer(metrics)
+    unregister = register_runtime(control_actor, deltarl_version())
+    if exporter is not None:
+        try:
+            logger.info("%s: metrics on %s", name, await exporter.start())
+        except OSError as e:
+            unregister()
+            await core.close()
+            for closer in reversed(context.closers):
+                await closer()
+            raise ConfigError(f"{name}: metrics {metrics}: {e}") from None
 
     def on_signal(signum: int) -> None:
         # Only state, as the module docstring says; run() does the stopping.
@@ -420,4 +438,7 @@ async def serve(
         if core_actor.incarnations == 0:  # never started (a shutdown during start-up)
             await core_actor.stop(0)
             await core_actor.close()
+        if exporter is not None:
+            await exporter.stop()
+        unregister()
         notifier.close()

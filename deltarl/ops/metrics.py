@@ -1,0 +1,317 @@
+"""The ``deltarl_*`` Prometheus metrics: one registry per process, one process per daemon.
+
+Every series a daemon exports is defined here, so the alert rules
+(``deploy/prometheus/alerts.yml``) and the dashboard (``deploy/grafana/deltarl.json``) have one
+place to check their queries against (``tests/ops/test_deploy.py`` does). The metrics are
+module-level objects, as prometheus_client is meant to be used: a daemon process holds one
+core, so each process exports only the families its core touches (a family never touched has
+no samples, but its ``# HELP`` line is still served, so a scrape always lists every name).
+
+Two kinds of figures:
+
+- events, counted where they happen (a version applied, a chunk received, a reward failed):
+  counters and histograms, updated by the code that does the work;
+- state, read at scrape time (the event-loop lag, mailbox depths, the daemon's state):
+  ``RuntimeCollector``, registered by the daemon runtime with the running core.
+
+Labels are bounded: stages, kinds and rollout instance names, never versions or request ids
+(an unbounded label is a memory leak in Prometheus).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from deltarl.engine.daemon import ControlActor
+
+# No *_created series: they double every counter's series and no rule or panel reads them.
+disable_created_metrics()
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+"""The one registry a daemon serves; never the library's global one (it carries Python's own
+collectors under names that are not ``deltarl_*``)."""
+
+# process_resident_memory_bytes, process_open_fds, ... as deltarl_process_*.
+ProcessCollector(namespace="deltarl", registry=REGISTRY)
+
+# Refit stage durations run from about a millisecond (a small delta's verify) to minutes (a
+# full version over a slow link).
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+# -- the apply agent (the receiving side of a refit) ------------------------------------------
+
+REFIT_STAGE_SECONDS = Histogram(
+    "deltarl_refit_stage_seconds",
+    "Apply agent: seconds of each stage of an applied version (open: begin the write,"
+    " apply: decode and scatter the chunks, verify: checksums, commit: flip the active"
+    " buffer; total: first item to commit)",
+    ["stage"],
+    buckets=STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+REFIT_VERSIONS = Counter(
+    "deltarl_refit_versions",
+    "Apply agent: versions made active, by kind (delta or full)",
+    ["kind"],
+    registry=REGISTRY,
+)
+REFIT_FAILED = Counter(
+    "deltarl_refit_failed_versions",
+    "Apply agent: versions not applied (the active version stayed)",
+    registry=REGISTRY,
+)
+REFIT_WIRE_BYTES = Counter(
+    "deltarl_refit_wire_bytes",
+    "Apply agent: bytes of chunks received and applied",
+    registry=REGISTRY,
+)
+CHECKSUM_FAILURES = Counter(
+    "deltarl_checksum_failures",
+    "Apply agent: chunks or versions that failed their checksum (refused)",
+    registry=REGISTRY,
+)
+MAC_FAILURES = Counter(
+    "deltarl_mac_failures",
+    "Apply agent: manifests whose MAC did not verify (refused)",
+    registry=REGISTRY,
+)
+ACTIVE_VERSION = Gauge(
+    "deltarl_active_version",
+    "Apply agent: the version active in the rollout store",
+    registry=REGISTRY,
+)
+
+# -- the export agent (the sending side) ------------------------------------------------------
+
+EXPORT_STAGE_SECONDS = Histogram(
+    "deltarl_export_stage_seconds",
+    "Export agent: seconds of each stage of a version sent (copy: taken to encoding,"
+    " encode, send, total: encoding to the receiver's acknowledgement)",
+    ["stage"],
+    buckets=STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+EXPORT_VERSIONS = Counter(
+    "deltarl_export_versions",
+    "Export agent: versions acknowledged active by the receiver, by kind",
+    ["kind"],
+    registry=REGISTRY,
+)
+EXPORT_FAILED = Counter(
+    "deltarl_export_failed_versions",
+    "Export agent: versions whose send or apply failed",
+    registry=REGISTRY,
+)
+EXPORT_WIRE_BYTES = Counter(
+    "deltarl_export_wire_bytes",
+    "Export agent: bytes sent (chunks of every version sent, failed ones included), by kind",
+    ["kind"],
+    registry=REGISTRY,
+)
+CHANGED_RATIO = Gauge(
+    "deltarl_changed_ratio",
+    "Export agent: changed elements over all elements of the last version sent as a delta",
+    registry=REGISTRY,
+)
+PUBLISHED_VERSION = Gauge(
+    "deltarl_published_version",
+    "Export agent: the newest version the trainer published",
+    registry=REGISTRY,
+)
+ACKED_VERSION = Gauge(
+    "deltarl_acked_version",
+    "Export agent: the newest version the receiver acknowledged active",
+    registry=REGISTRY,
+)
+
+# -- the scheduler -----------------------------------------------------------------------------
+
+TRAINER_VERSION = Gauge(
+    "deltarl_trainer_version",
+    "Scheduler: the trainer's newest version, as the scheduler knows it",
+    registry=REGISTRY,
+)
+STEPS_FINALISED = Counter(
+    "deltarl_steps",
+    "Scheduler: training steps whose samples were shipped to the trainer",
+    registry=REGISTRY,
+)
+POLICY_LAG = Gauge(
+    "deltarl_policy_lag_versions",
+    "Scheduler: the largest lag (trainer version minus sampling version) in the last step",
+    registry=REGISTRY,
+)
+POLICY_LAG_BOUND = Gauge(
+    "deltarl_policy_lag_bound",
+    "Scheduler: max_policy_lag_steps, the bound the lag must stay within",
+    registry=REGISTRY,
+)
+PADDING_RATIO = Gauge(
+    "deltarl_padding_ratio",
+    "Scheduler: 1 - real / allocated tokens of the last step's training micro-batches",
+    registry=REGISTRY,
+)
+SKEWNESS = Gauge(
+    "deltarl_skewness",
+    "Scheduler: the busiest instance's busy time over the mean, in the last step",
+    registry=REGISTRY,
+)
+SORTING_WAIT = Gauge(
+    "deltarl_sorting_wait",
+    "Scheduler: the mean pool wait of the last step's groups over their mean generation time",
+    registry=REGISTRY,
+)
+LENGTH_ERROR = Gauge(
+    "deltarl_length_prediction_error",
+    "Scheduler: mean relative error of the predicted output lengths in the last step",
+    registry=REGISTRY,
+)
+SAMPLES = Counter(
+    "deltarl_samples",
+    "Scheduler: samples shipped to the trainer",
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "deltarl_tokens",
+    "Scheduler: completion tokens generated, by fate (trained or wasted: dropped as stale)",
+    ["fate"],
+    registry=REGISTRY,
+)
+REWARD_MEAN = Gauge(
+    "deltarl_reward_mean",
+    "Scheduler: the mean reward of the last step's samples",
+    registry=REGISTRY,
+)
+REWARD_SECONDS = Histogram(
+    "deltarl_reward_seconds",
+    "Scheduler: seconds to score one group at the reward service",
+    buckets=STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+REWARD_ERRORS = Counter(
+    "deltarl_reward_errors",
+    "Scheduler: groups the reward service failed to score",
+    registry=REGISTRY,
+)
+INSTANCE_HEALTHY = Gauge(
+    "deltarl_instance_healthy",
+    "Scheduler: 1 while a rollout instance is given work, 0 while it is removed (silent or"
+    " a straggler)",
+    ["instance"],
+    registry=REGISTRY,
+)
+INSTANCE_VERSION = Gauge(
+    "deltarl_instance_version",
+    "Scheduler: the weight version a rollout instance last reported",
+    ["instance"],
+    registry=REGISTRY,
+)
+INSTANCES_REMOVED = Counter(
+    "deltarl_instances_removed",
+    "Scheduler: rollout instances removed (silent past their lease, or stragglers)",
+    registry=REGISTRY,
+)
+
+# -- the trainer -------------------------------------------------------------------------------
+
+TRAIN_STEP_SECONDS = Histogram(
+    "deltarl_train_step_seconds",
+    "Trainer: seconds of one training step (forward, backward, optimizer)",
+    buckets=STEP_BUCKETS,
+    registry=REGISTRY,
+)
+TRAIN_LOSS = Gauge("deltarl_train_loss", "Trainer: the last step's loss", registry=REGISTRY)
+TRAIN_GRAD_NORM = Gauge(
+    "deltarl_train_grad_norm",
+    "Trainer: the last step's gradient norm (before clipping)",
+    registry=REGISTRY,
+)
+
+# -- every daemon, read at scrape time ----------------------------------------------------------
+
+
+RUNTIME_SERIES = (
+    "deltarl_daemon_info",
+    "deltarl_daemon_start_time_seconds",
+    "deltarl_daemon_state",
+    "deltarl_event_loop_lag_seconds",
+    "deltarl_mailbox_depth",
+)
+"""The families ``RuntimeCollector`` yields (every daemon serves them)."""
+
+
+class RuntimeCollector(Collector):
+    """What the daemon runtime knows: which daemon this is, its state, the event-loop lag and
+    each actor's mailbox. Read from the running actors at scrape time, so it is never stale."""
+
+    def __init__(self, control: ControlActor, version: str) -> None:
+        self.control = control
+        self.version = version
+        self.started = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        control = self.control
+        core = control.core_actor.core
+        labels = ["daemon", "name", "version"]
+        info = GaugeMetricFamily(
+            "deltarl_daemon_info", "Which daemon serves these metrics (always 1)", labels=labels
+        )
+        info.add_metric([core.daemon, control.daemon_name, self.version], 1)
+        yield info
+        yield GaugeMetricFamily(
+            "deltarl_daemon_start_time_seconds",
+            "When this daemon process started (Unix time): a change is a restart",
+            value=self.started,
+        )
+        state = "draining" if control.core_actor.draining else core.state()
+        states = GaugeMetricFamily(
+            "deltarl_daemon_state", "The daemon's state (1 for the current one)", labels=["state"]
+        )
+        states.add_metric([state], 1)
+        yield states
+        lag = control.lag.stats()
+        lag_family = GaugeMetricFamily(
+            "deltarl_event_loop_lag_seconds",
+            "How late the event loop woke a sleeper (last, max, mean over the samples)",
+            labels=["stat"],
+        )
+        for stat, value in (("last", lag.last_s), ("max", lag.max_s), ("mean", lag.mean_s)):
+            lag_family.add_metric([stat], value)
+        yield lag_family
+        depth = GaugeMetricFamily(
+            "deltarl_mailbox_depth", "Messages queued in each actor's mailbox", labels=["actor"]
+        )
+        for actor, stats in control.core_actor.supervisor.stats().items():
+            depth.add_metric([actor], stats.used)
+        yield depth
+
+
+def deltarl_version() -> str:
+    """The installed deltarl's version ("unknown" when run from a tree that is not installed)."""
+    try:
+        return importlib.metadata.version("deltarl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def register_runtime(control: ControlActor, version: str) -> Callable[[], None]:
+    """Register the runtime's collector; returns what unregisters it (the daemon's end)."""
+    collector = RuntimeCollector(control, version)
+    REGISTRY.register(collector)
+    return lambda: REGISTRY.unregister(collector)
