@@ -195,6 +195,12 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_running_groups": 2 * args.groups_per_step,
             "engine": engine,
         }
+    for i, name in enumerate(run.order):
+        daemons[name]["metrics"] = (
+            f"unix:{shm}/{name}.metrics"
+            if args.metrics_port is None
+            else f"127.0.0.1:{args.metrics_port + i}"
+        )
     write_toml(run.config, {"daemons": daemons})
 
 
@@ -226,6 +232,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="the policy: the embedded tiny model (default) or SmolLM2-135M-Instruct",
     )
     ap.add_argument("--task", help="the task (default: the model's: default / arithmetic)")
+    ap.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="BASE",
+        help="serve each daemon's Prometheus metrics on 127.0.0.1:BASE, BASE+1, ... in the"
+        " order scheduler, trainer, export, apply, rollout(s) (default: on unix sockets"
+        " beside the control sockets)",
+    )
     ap.add_argument("--group-size", type=int, help="samples per prompt (GRPO group)")
     ap.add_argument("--groups-per-step", type=int)
     ap.add_argument("--max-tokens", type=int)

@@ -19,7 +19,7 @@ import logging
 import os
 from pathlib import Path
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from deltarl.ops.metrics import REGISTRY
 
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 8192
 CLIENT_TIMEOUT_S = 5.0
 UNIX_PREFIX = "unix:"
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+"""What ``generate_latest`` writes: the classic text format, which every Prometheus reads
+(the library's CONTENT_TYPE_LATEST announces 1.0.0, which older servers do not know)."""
 
 
 def parse_address(address: str) -> tuple[str, int] | Path:
@@ -66,9 +69,7 @@ class MetricsServer:
             os.chmod(self.where, 0o660)
             return f"{UNIX_PREFIX}{self.where}"
         host, port = self.where
-        self._server = await asyncio.start_server(
-            self._client, host, port, limit=MAX_REQUEST_BYTES
-        )
+        self._server = await asyncio.start_server(self._client, host, port, limit=MAX_REQUEST_BYTES)
         bound = self._server.sockets[0].getsockname()
         return f"{host}:{bound[1]}"
 
@@ -114,4 +115,4 @@ def _answer(head: bytes) -> tuple[str, bytes, str]:
         return "405 Method Not Allowed", b"GET only\n", "text/plain"
     if target != b"/metrics":
         return "404 Not Found", b"try /metrics\n", "text/plain"
-    return "200 OK", generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+    return "200 OK", generate_latest(REGISTRY), TEXT_FORMAT

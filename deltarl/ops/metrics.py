@@ -228,6 +228,22 @@ INSTANCES_REMOVED = Counter(
     registry=REGISTRY,
 )
 
+# -- a rollout daemon ---------------------------------------------------------------------------
+
+ROLLOUT_BUSY_SECONDS = Counter(
+    "deltarl_rollout_busy_seconds",
+    "Rollout: seconds inside engine steps (seed 000's busy time: max over mean across the"
+    " instances is the skewness)",
+    registry=REGISTRY,
+)
+ROLLOUT_TOKENS = Counter(
+    "deltarl_rollout_tokens",
+    "Rollout: tokens of finished groups, by kind (completion; prompt; prompt_cached: prompt"
+    " tokens taken from the prefix cache, prefill saved)",
+    ["kind"],
+    registry=REGISTRY,
+)
+
 # -- the trainer -------------------------------------------------------------------------------
 
 TRAIN_STEP_SECONDS = Histogram(

@@ -76,6 +76,7 @@ from deltarl.codecs.manifest_seal import SealError, open_sealed
 from deltarl.config.refit import ApplyConfig
 from deltarl.engine.daemon import DaemonContext, DaemonCore
 from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
+from deltarl.ops import metrics
 from deltarl.refit.receiver_state import GetReceiverState, ReceiverState
 from deltarl.refit.relay import Relay
 from deltarl.transport.base import MAX_VERSION, ChunkReceiver, ReceivedChunk, ReceivedManifest
@@ -156,6 +157,8 @@ class ApplyCore(DaemonCore):
         # version -> the manifest's whole-model digest, for the rollout daemon to check what its
         # engine loaded against what the trainer published (not just against this buffer).
         self.digests: dict[int, str] = {}
+        # Read at scrape time: whatever moved it (an apply, a rollback), it is never stale.
+        metrics.ACTIVE_VERSION.set_function(lambda: _or_minus_one(self.store.active_version))
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._job_done = asyncio.Event()
@@ -248,6 +251,7 @@ class ApplyCore(DaemonCore):
                 # open now, which cannot complete without this chunk, fails (a full one is
                 # sent at once instead of waiting for the export agent's ack timeout).
                 self.refused_items += 1
+                metrics.CHECKSUM_FAILURES.inc()
                 logger.warning("chunk %d of version %d %s", chunk.chunk_id, chunk.version, why)
                 self.unsound.setdefault(chunk.version, {})[chunk.chunk_id] = why
                 while len(self.unsound) > KEEP_UNSOUND:
@@ -266,6 +270,7 @@ class ApplyCore(DaemonCore):
                 await self._fail(job.version, f"chunk {header.chunk_id}: {e}")
                 return
             job.apply_s += time.monotonic() - t
+            metrics.REFIT_WIRE_BYTES.inc(len(chunk.data))
         finally:
             chunk.release()  # applied (or refused): the transport may free it now
         await self._maybe_finish()
@@ -276,6 +281,7 @@ class ApplyCore(DaemonCore):
                 body = open_sealed(item.data, self.mac_key)
             except SealError:
                 self.seal_failures += 1
+                metrics.MAC_FAILURES.inc()
                 raise
             manifest = RefitManifest.from_json(body)
             base = None if manifest.base_version == NO_BASE else manifest.base_version
@@ -409,6 +415,8 @@ class ApplyCore(DaemonCore):
         try:
             await asyncio.to_thread(job.apply.verify, job.manifest)
         except (FrameError, ChecksumMismatchError) as e:
+            if isinstance(e, ChecksumMismatchError):
+                metrics.CHECKSUM_FAILURES.inc()
             await self._fail(job.version, str(e))
             return
         t_commit = time.monotonic()
@@ -438,6 +446,11 @@ class ApplyCore(DaemonCore):
             "verify_s": t_commit - t_verify,
             "commit_s": t_done - t_commit,
         }
+        stages = metrics.REFIT_STAGE_SECONDS
+        for stage in ("open", "apply", "verify", "commit"):
+            stages.labels(stage).observe(self.applied_state[f"{stage}_s"])
+        stages.labels("total").observe(t_done - job.started)
+        metrics.REFIT_VERSIONS.labels("delta" if job.base is not None else "full").inc()
         self.digests[job.version] = job.manifest.model_xxh3_128
         while len(self.digests) > KEEP_DIGESTS:
             del self.digests[min(self.digests)]
@@ -470,6 +483,7 @@ class ApplyCore(DaemonCore):
         self.needs_full = self.needs_full or needs_full
         self.failed_state = (version, reason)
         self.failures += 1
+        metrics.REFIT_FAILED.inc()
         logger.warning("version %d not applied: %s", version, reason)
         self._changed.set()
         await self.context.publish(RefitFailed(version, reason))
@@ -579,3 +593,8 @@ def _sound_header(chunk: ReceivedChunk) -> tuple[FrameHeader | None, str]:
     if header.target != chunk.version:
         return None, f"labelled version {chunk.version} but its frame says {header.target}"
     return header, ""
+
+
+def _or_minus_one(version: int | None) -> float:
+    """A version as a gauge's value: -1 for none (a gauge has no null)."""
+    return -1.0 if version is None else float(version)

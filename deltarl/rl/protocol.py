@@ -81,6 +81,9 @@ class Heartbeat(Command):
     trainer can only get staler: it would be dropped when shipped. The scheduler requeues it
     now (``requeued.doomed``; its tokens are counted wasted) and names it in ``Beat.abort``,
     so the instance stops generating it instead of finishing work that cannot be trained."""
+    busy_s: float = 0.0
+    """Seconds the instance's engine has spent in engine steps since it started: the
+    scheduler's per-step skewness (busiest instance's busy time over the mean)."""
 
 
 @dataclass(frozen=True)

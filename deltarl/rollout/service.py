@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 from deltarl.engine.weight_store import LeaseRevoked, WeightStore
+from deltarl.ops import metrics
 from deltarl.reward.protocol import REWARD_UNAVAILABLE
 from deltarl.rl.protocol import Beat, GetWork, Heartbeat, SubmitGroup, Work
 from deltarl.rl.samples import Group, Sample, SampleError, encode_group
@@ -172,14 +173,21 @@ class RolloutService(DaemonCore):
             self.activity = f"generating ({len(self.in_flight)} groups)"
             started = time.monotonic()
             finished, self.queued = await self._call(self._step)
-            self.busy_s += time.monotonic() - started
+            busy = time.monotonic() - started
+            self.busy_s += busy
             tokens = sum(len(s["token_ids"]) for g in finished for s in g.samples)
             self.generated_tokens += tokens
+            metrics.ROLLOUT_BUSY_SECONDS.inc(busy)
+            metrics.ROLLOUT_TOKENS.labels("completion").inc(tokens)
             for group in finished:
                 # Prefill the prefix cache saved: prompt tokens taken from cached blocks
                 # (the version-salted cache of the engine: within one weight version only).
                 self.prompt_tokens += sum(len(x["prompt_token_ids"]) for x in group.samples)
                 self.cached_prompt_tokens += sum(group.cached_tokens)
+                metrics.ROLLOUT_TOKENS.labels("prompt").inc(
+                    sum(len(x["prompt_token_ids"]) for x in group.samples)
+                )
+                metrics.ROLLOUT_TOKENS.labels("prompt_cached").inc(sum(group.cached_tokens))
             self._rate.append((time.monotonic(), tokens))
             for group in finished:
                 await self._submit(group.group_id, group.samples)
@@ -470,6 +478,7 @@ class RolloutService(DaemonCore):
                     running_groups=len(self.in_flight),
                     queue_depth=self.queued,
                     tokens_per_s=round(self.tokens_per_s(), 3),
+                    busy_s=round(self.busy_s, 3),
                     held=[*self.in_flight, *self.submitting],
                     reports_held=True,
                     progress={g: p for g, p in self.progress.items() if g in self.in_flight},

@@ -105,6 +105,7 @@ from deltarl.scheduler.reward import RewardFailedError, RewardUnavailableError
 from deltarl.scheduler.reward_scorers import make_reward_scorer
 from deltarl.scheduler.reward_stats import RewardWindow
 from deltarl.scheduler.rows import Group, PromptState, parse_group_id
+from deltarl.scheduler.step_metrics import SchedulerMetrics
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.scheduler.stragglers import StragglerJudge
 from deltarl.transport.control import Handler
@@ -128,6 +129,7 @@ class Instance:
     running_groups: int = 0
     queue_depth: int = 0
     tokens_per_s: float = 0.0
+    busy_s: float = 0.0
 
 
 class SchedulerService(DaemonCore):
@@ -154,6 +156,7 @@ class SchedulerService(DaemonCore):
             config.straggler_ratio, config.straggler_window_s, config.straggler_cooldown_s
         )
         self.reward_window = RewardWindow()
+        self.metrics = SchedulerMetrics(config.max_policy_lag_steps)
         self.scorer = make_reward_scorer(config, self.task, self._count_reward)
         self.monotonic = monotonic
         self.gate = PauseGate()
@@ -267,6 +270,7 @@ class SchedulerService(DaemonCore):
             if now - inst.last_seen > self.config.heartbeat_timeout_s:
                 del self.instances[name]
                 self.stragglers.forget(name)
+                self.metrics.instance_removed(name)
                 n = self.store.requeue_instance(name, "heartbeat_missed")
                 n += self.evals.requeue_instance(name, "heartbeat_missed")
                 logger.warning(
@@ -303,7 +307,9 @@ class SchedulerService(DaemonCore):
     async def heartbeat(self, cmd: Heartbeat) -> Reply:
         inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
         inst.running_groups, inst.queue_depth = cmd.running_groups, cmd.queue_depth
-        inst.tokens_per_s = cmd.tokens_per_s
+        inst.tokens_per_s, inst.busy_s = cmd.tokens_per_s, cmd.busy_s
+        benched = self.stragglers.benched_for(inst.name, self.monotonic()) > 0
+        self.metrics.instance_seen(inst.name, inst.weight_version, not benched)
         if cmd.reports_held and isinstance(cmd.held, list):
             self._requeue_not_held(cmd.instance, cmd.session, cmd.held)
         self._judge(inst)
@@ -348,6 +354,7 @@ class SchedulerService(DaemonCore):
         n = self.store.requeue_instance(inst.name, "straggler")
         n += self.evals.requeue_instance(inst.name, "straggler")
         self.store.bump("stragglers.benched")
+        self.metrics.instance_removed(inst.name)
         logger.warning(
             "instance %s straggles (%.1f tokens/s per running group, below %.0f%% of its "
             "peers' median for %.0f s): benched for %.0f s, %d groups requeued",
@@ -640,10 +647,13 @@ class SchedulerService(DaemonCore):
         try:
             rewards = await self.scorer.score_group(prompt, [s.text for s in samples.samples])
         except RewardFailedError as e:
+            self.metrics.reward_failed()
             return self._drop_failed(group, e.reason, n, str(e), blob=blob[0])
         except RewardUnavailableError as e:  # an outage: nothing dropped, nothing counted
+            self.metrics.reward_failed()  # against the group, but an operator sees it
             return Error(REWARD_UNAVAILABLE, str(e))  # against the group (reward_client.py)
         self.reward_window.observe(self.monotonic() - started)
+        self.metrics.reward_scored(self.monotonic() - started)
         oldest = samples.oldest_version()
         if oldest is None:
             oldest = group.weight_version
@@ -696,6 +706,7 @@ class SchedulerService(DaemonCore):
             )
         if self.trainer_version is None or cmd.trainer_version > self.trainer_version:
             self.trainer_version = cmd.trainer_version
+        self.metrics.trainer_version(self.trainer_version)
         result = self.store.ship(
             cmd.step,
             cmd.groups,
@@ -706,6 +717,10 @@ class SchedulerService(DaemonCore):
         )
         if result.groups and not result.replayed:  # recorded with this new step
             self.reward_window.reset()
+            recorded = self.store.history(last=1)
+            if recorded:
+                busy = {i.name: i.busy_s for i in self.instances.values()}
+                self.metrics.step_shipped(recorded[-1], busy)
         if result.pruned:
             return Error(
                 "checkpointed",
@@ -752,6 +767,7 @@ class SchedulerService(DaemonCore):
             return Error("unknown_step", f"step {cmd.step} was never shipped")
         if self.trainer_version is None or cmd.version > self.trainer_version:
             self.trainer_version = cmd.version
+        self.metrics.step_trained(self.trainer_version, cmd.metrics)
         self.evals.step_done(cmd.step, cmd.version)
         return Ok()
 

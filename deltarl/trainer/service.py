@@ -53,6 +53,7 @@ from torch import nn
 from deltarl.config import ConfigError
 from deltarl.engine.daemon import DaemonCore, PauseGate
 from deltarl.engine.weight_store import SegmentFormatError
+from deltarl.ops import metrics as metrics_out
 from deltarl.rl.protocol import Batch, Checkpointed, StepDone, TakeBatch
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
 from deltarl.trainer.grpo import BatchError, GRPOConfig, ScoredGroup, build_batch, train_step
@@ -272,6 +273,9 @@ class TrainerService(DaemonCore):
             "publish_s": t2 - t1,
             "lag_max": max(lags) if lags else None,
         }
+        metrics_out.TRAIN_STEP_SECONDS.observe(t1 - t0)
+        metrics_out.TRAIN_LOSS.set(stats.loss)
+        metrics_out.TRAIN_GRAD_NORM.set(stats.grad_norm)
         # Set here, not by the awaiting task: a shutdown may cancel it while this runs on.
         self.step = self.version = step
         self.metrics = metrics
