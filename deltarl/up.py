@@ -55,6 +55,7 @@ from typing import Any
 
 import orjson
 
+from deltarl import up_curves
 from deltarl.config import write_toml
 from deltarl.launch import DaemonGroup
 from deltarl.recorded_versions import VersionRecorder
@@ -354,6 +355,17 @@ def prepare(args: argparse.Namespace) -> Run:
     return run
 
 
+def _draw_curves(summary: dict[str, Any], run: Run) -> str | None:
+    """The run's curves as ``<run directory>.png``, beside it; its path, or None (said why)."""
+    out = run.directory.with_name(run.directory.name + ".png")
+    title = f"deltarl up: {run.profile.summary_name}, task {run.task}, {summary['steps']} steps"
+    try:
+        return str(up_curves.draw(summary, out, title))
+    except (OSError, ValueError, RuntimeError) as e:  # the run stands; only the picture is lost
+        print(f"deltarl up: curves not drawn: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     # SIGTERM unwinds like Ctrl-C: the daemons run in sessions of their own, so without this a
@@ -402,6 +414,7 @@ def main(argv: list[str]) -> int:
         except SummaryError as e:
             print(f"deltarl up: {e}", file=sys.stderr)
             return 1
+        summary["curves_png"] = _draw_curves(summary, run)
         code = 0
     except KeyboardInterrupt:
         # Ctrl-C reaches only us (the daemons have sessions of their own): stop them in order.

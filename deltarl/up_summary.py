@@ -10,6 +10,7 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -179,6 +180,19 @@ def summarise(run: Run) -> dict[str, Any]:
         # for training: the run's share, and each step's.
         "wasted_tokens_ratio": _wasted_ratio(rows),
         "wasted_curve": [{"step": int(r["step"]), "ratio": r.get("wasted_ratio")} for r in rows],
+        # Per step: the lag and the bubbles, as recorded (what the curves PNG draws).
+        "step_curve": [
+            {
+                "step": int(r["step"]),
+                "lag_max": r.get("lag_max"),
+                "padding_ratio": (r.get("metrics") or {}).get("padding_ratio"),
+                "sorting_wait": r.get("sorting_wait"),
+                "wasted_ratio": r.get("wasted_ratio"),
+            }
+            for r in rows
+        ],
+        # Per version the engine loaded: its kind, wire bytes and export pick-up to engine.
+        "refit_curve": _refit_curve(export.get("recent") or [], refits, refit_seconds),
         # The training side's padding bubble: what the forward passes ran but did not use.
         "padding_ratio_median": _median(
             [
@@ -221,6 +235,29 @@ def summarise(run: Run) -> dict[str, Any]:
         "skewness": _skewness([float(st.get("busy_s") or 0.0) for st in engines.values()]),
         "counters": counters,
     }
+
+
+def _refit_curve(
+    sent: list[dict[str, Any]],
+    loads: list[dict[str, Any]],
+    seconds: Callable[[list[dict[str, Any]]], list[float]],
+) -> list[dict[str, Any]]:
+    by_version = {int(r["version"]): r for r in sent if r.get("outcome") == "active"}
+    curve = []
+    for load in loads:
+        version = int(load["version"])
+        record = by_version.get(version)
+        took = seconds([load])
+        if record is not None and took:
+            curve.append(
+                {
+                    "version": version,
+                    "kind": record["kind"],
+                    "wire_bytes": int(record["wire_bytes"]),
+                    "seconds": round(took[0], 4),
+                }
+            )
+    return curve
 
 
 def _hit_rate(engines: dict[str, dict[str, Any]]) -> float | None:
@@ -371,5 +408,6 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
             else ""
         ),
         f"  logs and state    {run.directory}",
+        *([f"  curves            {s['curves_png']}"] if s.get("curves_png") else []),
     ]
     print("\n" + "\n".join(lines), file=out)

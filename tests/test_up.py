@@ -78,6 +78,10 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout
     result = orjson.loads(lines[0])
+    # The run's curves, drawn beside the run directory and named in the summary.
+    png = Path(result["curves_png"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"curves            {png}" in proc.stderr
     for key, kind in KEYS.items():
         assert isinstance(result[key], kind), (key, result[key])
     assert result["steps"] == steps
