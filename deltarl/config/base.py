@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from deltarl.config.checks import endpoints, positive
 from deltarl.ops.exposition import parse_address
+from deltarl.ops.logs import FORMATS
 
 DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below the shortest TimeoutStopSec of the units (30 s)
 
@@ -28,11 +29,19 @@ class DaemonTable:
     metrics: str | None = field(default=None, kw_only=True)
     """Where the daemon serves its Prometheus metrics (``GET /metrics``): ``HOST:PORT`` or
     ``unix:/PATH``; unset, none are served. One address per daemon."""
+    log_format: str = field(default="text", kw_only=True)
+    """``text`` (a line per record) or ``json`` (one JSON object per line, for journald and
+    log shippers; ``$DELTARL_LOG_FORMAT`` overrides it)."""
+    audit_log: str | None = field(default=None, kw_only=True)
+    """A file that every operator command this daemon receives is appended to, as JSON lines
+    (who, which key, what, the result); they are in the daemon's log too."""
 
     def __post_init__(self) -> None:
         positive(self, "drain_timeout_s")
         if self.metrics is not None:
             parse_address(self.metrics)  # ValueError names the key and says what is wanted
+        if self.log_format not in FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(FORMATS)}")
         endpoints(self, *(f.name for f in dataclasses.fields(self) if f.name in _ENDPOINTS))
 
 

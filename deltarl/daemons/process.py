@@ -24,6 +24,7 @@ from deltarl.config.base import DaemonTable
 from deltarl.engine import loop
 from deltarl.engine.daemon import DaemonContext, DaemonCore, serve
 from deltarl.engine.supervisor import EscalationError
+from deltarl.ops import logs
 from deltarl.transport.curve import CurveKeyError
 
 T = TypeVar("T")
@@ -52,6 +53,10 @@ def daemon_main(
     logging.basicConfig(level=logging.INFO, format=fmt)
     try:
         cfg = load(cls, args.name, args.config)
+        try:
+            logs.configure(daemon, args.name, cfg.log_format, cfg.audit_log)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"[daemons.{args.name}]: {e}") from None
         return run(args.name, cfg, build)
     except CONFIG_ERRORS as e:
         print(f"deltarl {daemon}: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ from deltarl.transport.messages import (
 from deltarl.transport.router import FROM_ENV, RouterServer, check_endpoint, connect_dealer
 
 logger = logging.getLogger(__name__)
+audit = logging.getLogger("deltarl.audit")  # deltarl/ops/logs.py: AUDIT_LOGGER
 
 DEFAULT_TIMEOUT = 5.0  # seconds a client waits for a reply unless told otherwise
 AUDITED = frozenset({"shutdown", "drain", "rollback", "resync", "pause", "resume"})
@@ -162,40 +163,51 @@ class ControlServer(RouterServer):
             await self._reply(identity, request_id, Error(e.code, e.message))
             return
         tag = request.command.TAG
-        if tag in AUDITED:
+        who = f"{peer} ({identity.hex()})" if tag in AUDITED else None
+        if who is not None:
             # Commands that change what a daemon does: always in its log, with who asked.
-            logger.info("%s: %r asked by %s (%s)", self.name, tag, peer, identity.hex())
+            logger.info("%s: %r asked by %s", self.name, tag, who)
         handler = self._handlers.get(type(request.command))
         if handler is None:
             handled = ", ".join(sorted(cls.TAG for cls in self._handlers))
             message = f"{self.name} does not handle {tag!r}; it handles: {handled}"
             await self._reply(identity, request_id, Error(ErrorCode.UNSUPPORTED, message))
+            _audit(self.name, who, request, Error(ErrorCode.UNSUPPORTED, message))
             return
         if len(self._running) >= self._max_in_flight:
             message = f"{self.name} has {len(self._running)} requests in flight; retry later"
             await self._reply(identity, request_id, Error(ErrorCode.BUSY, message))
+            _audit(self.name, who, request, Error(ErrorCode.BUSY, message))
             return
-        task = asyncio.create_task(self._handle(identity, request, handler))
+        task = asyncio.create_task(self._handle(identity, request, handler, who))
         self._running[task] = _InFlight(identity, request_id, tag)
         task.add_done_callback(self._running.pop)
 
-    async def _handle(self, identity: bytes, request: Request, handler: Handler) -> None:
+    async def _handle(
+        self, identity: bytes, request: Request, handler: Handler, who: str | None = None
+    ) -> None:
+        """Run the handler and reply; ``who``: the sender of an audited command."""
         tag, request_id = request.command.TAG, request.request_id
         timeout = request.timeout or self._default_timeout
+        outcome: object = None
         try:
             async with asyncio.timeout(timeout) as deadline:
-                reply = await handler(request.command)
-            frames = _encode_handler_reply(request_id, reply)
+                outcome = await handler(request.command)
+            frames = _encode_handler_reply(request_id, outcome)
         except Exception as e:
             if isinstance(e, TimeoutError) and deadline.expired():
                 message = f"{self.name}: {tag!r} did not finish within {timeout:g} s"
-                frames = encode_reply(request_id, Error(ErrorCode.TIMEOUT, message))
+                outcome = Error(ErrorCode.TIMEOUT, message)
             else:
                 # A handler's bug must become an error reply, not take the control plane
                 # down: this socket is how an operator finds out what went wrong.
                 logger.exception("%s: handler for %r failed", self.name, tag)
                 message = f"{self.name}: {tag!r} failed: {type(e).__name__}: {e}"
-                frames = encode_reply(request_id, Error(ErrorCode.HANDLER_FAILED, message))
+                outcome = Error(ErrorCode.HANDLER_FAILED, message)
+            frames = encode_reply(request_id, outcome)
+        finally:
+            # Cancelled (the server stopping), it is audited too: it did not finish.
+            _audit(self.name, who, request, outcome)
         await self._send(identity, frames)
 
     async def _reply(self, identity: bytes, request_id: int, reply: Reply) -> None:
@@ -216,6 +228,33 @@ class ControlServer(RouterServer):
         for _, req in cancelled:
             message = f"{self.name} is shutting down; {req.tag!r} was cancelled"
             await self._reply(req.identity, req.request_id, Error(ErrorCode.STOPPING, message))
+
+
+def _audit(server: str, who: str | None, request: Request, outcome: object) -> None:
+    """One audit record (deltarl/ops/logs.py) for an audited command: who, what, the result."""
+    if who is None:
+        return
+    if isinstance(outcome, Error):
+        result, text = outcome.code, outcome.message
+    elif isinstance(outcome, Reply):
+        result, text = "ok", str(getattr(outcome, "detail", "") or "")
+    else:
+        result, text = "cancelled", "the server stopped before the command finished"
+    audit.info(
+        "%s: %r from %s: %s%s",
+        server,
+        request.command.TAG,
+        who,
+        result,
+        f" ({text})" if text else "",
+        extra={
+            "command": request.command.TAG,
+            "peer": who,
+            "request_id": request.request_id,
+            "result": result,
+            "reason": text or None,
+        },
+    )
 
 
 def _encode_handler_reply(request_id: int, reply: object) -> list[bytes]:
