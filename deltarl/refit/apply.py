@@ -455,7 +455,13 @@ class ApplyCore(DaemonCore):
         while len(self.digests) > KEEP_DIGESTS:
             del self.digests[min(self.digests)]
         seconds = t_done - job.started
-        logger.info("version %d active (base %s, %.3f s)", job.version, job.base, seconds)
+        logger.info(
+            "version %d active (base %s, %.3f s)",
+            job.version,
+            job.base,
+            seconds,
+            extra={"version": job.version},
+        )
         self._changed.set()
         await self.context.publish(VersionApplied(job.version, job.base, seconds))
 
@@ -484,7 +490,7 @@ class ApplyCore(DaemonCore):
         self.failed_state = (version, reason)
         self.failures += 1
         metrics.REFIT_FAILED.inc()
-        logger.warning("version %d not applied: %s", version, reason)
+        logger.warning("version %d not applied: %s", version, reason, extra={"version": version})
         self._changed.set()
         await self.context.publish(RefitFailed(version, reason))
 

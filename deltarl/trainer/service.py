@@ -395,6 +395,7 @@ class TrainerService(DaemonCore):
                 self.metrics["reward_mean"],
                 self.metrics["tokens"],
                 self.metrics["step_s"],
+                extra={"step": step, "version": self.version},
             )
             await self._report_step(retry=True)
             if step % cfg.checkpoint_every == 0 and self.reported_step == step:
