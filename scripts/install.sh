@@ -77,4 +77,18 @@ fi
 # here keeps the first real run (or test) from paying for it (and after vLLM, whose numba pin
 # invalidates a cache made by another numba).
 .venv/bin/python -m deltarl.codecs.warmup
+
+# The ops tests (tests/ops) run promtool on deploy/prometheus and a real Prometheus scraping the
+# daemons: with --test, install Debian's `prometheus` package (both binaries) where it is
+# missing and we can. They skip, saying why, without it, so a failure here is not fatal.
+if [ -n "$extras" ] && ! command -v promtool >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "installing Debian's prometheus package (promtool and prometheus, for tests/ops)"
+  apt_install=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq
+    --no-install-recommends prometheus)
+  # A fresh container has no package lists: on failure, update them and try once more.
+  "${apt_install[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && "${apt_install[@]}" >/dev/null 2>&1; } \
+    || echo "could not install prometheus with apt-get; the tests that need it will skip" >&2
+fi
 echo "deltarl installed in $(pwd)/.venv"

@@ -7,6 +7,8 @@ module-level objects, as prometheus_client is meant to be used: a daemon process
 core, so each process exports only the families its core touches (a family never touched has
 no samples, but its ``# HELP`` line is still served, so a scrape always lists every name).
 
+Each daemon serves its own families only (``OWNED``), the runtime's and the process's.
+
 Two kinds of figures:
 
 - events, counted where they happen (a version applied, a chunk received, a reward failed):
@@ -63,38 +65,38 @@ REFIT_STAGE_SECONDS = Histogram(
     " buffer; total: first item to commit)",
     ["stage"],
     buckets=STAGE_BUCKETS,
-    registry=REGISTRY,
+    registry=None,
 )
 REFIT_VERSIONS = Counter(
     "deltarl_refit_versions",
     "Apply agent: versions made active, by kind (delta or full)",
     ["kind"],
-    registry=REGISTRY,
+    registry=None,
 )
 REFIT_FAILED = Counter(
     "deltarl_refit_failed_versions",
     "Apply agent: versions not applied (the active version stayed)",
-    registry=REGISTRY,
+    registry=None,
 )
 REFIT_WIRE_BYTES = Counter(
     "deltarl_refit_wire_bytes",
     "Apply agent: bytes of chunks received and applied",
-    registry=REGISTRY,
+    registry=None,
 )
 CHECKSUM_FAILURES = Counter(
     "deltarl_checksum_failures",
     "Apply agent: chunks or versions that failed their checksum (refused)",
-    registry=REGISTRY,
+    registry=None,
 )
 MAC_FAILURES = Counter(
     "deltarl_mac_failures",
     "Apply agent: manifests whose MAC did not verify (refused)",
-    registry=REGISTRY,
+    registry=None,
 )
 ACTIVE_VERSION = Gauge(
     "deltarl_active_version",
     "Apply agent: the version active in the rollout store",
-    registry=REGISTRY,
+    registry=None,
 )
 
 # -- the export agent (the sending side) ------------------------------------------------------
@@ -105,39 +107,39 @@ EXPORT_STAGE_SECONDS = Histogram(
     " encode, send, total: encoding to the receiver's acknowledgement)",
     ["stage"],
     buckets=STAGE_BUCKETS,
-    registry=REGISTRY,
+    registry=None,
 )
 EXPORT_VERSIONS = Counter(
     "deltarl_export_versions",
     "Export agent: versions acknowledged active by the receiver, by kind",
     ["kind"],
-    registry=REGISTRY,
+    registry=None,
 )
 EXPORT_FAILED = Counter(
     "deltarl_export_failed_versions",
     "Export agent: versions whose send or apply failed",
-    registry=REGISTRY,
+    registry=None,
 )
 EXPORT_WIRE_BYTES = Counter(
     "deltarl_export_wire_bytes",
     "Export agent: bytes sent (chunks of every version sent, failed ones included), by kind",
     ["kind"],
-    registry=REGISTRY,
+    registry=None,
 )
 CHANGED_RATIO = Gauge(
     "deltarl_changed_ratio",
     "Export agent: changed elements over all elements of the last version sent as a delta",
-    registry=REGISTRY,
+    registry=None,
 )
 PUBLISHED_VERSION = Gauge(
     "deltarl_published_version",
     "Export agent: the newest version the trainer published",
-    registry=REGISTRY,
+    registry=None,
 )
 ACKED_VERSION = Gauge(
     "deltarl_acked_version",
     "Export agent: the newest version the receiver acknowledged active",
-    registry=REGISTRY,
+    registry=None,
 )
 
 # -- the scheduler -----------------------------------------------------------------------------
@@ -145,87 +147,87 @@ ACKED_VERSION = Gauge(
 TRAINER_VERSION = Gauge(
     "deltarl_trainer_version",
     "Scheduler: the trainer's newest version, as the scheduler knows it",
-    registry=REGISTRY,
+    registry=None,
 )
 STEPS_FINALISED = Counter(
     "deltarl_steps",
     "Scheduler: training steps whose samples were shipped to the trainer",
-    registry=REGISTRY,
+    registry=None,
 )
 POLICY_LAG = Gauge(
     "deltarl_policy_lag_versions",
     "Scheduler: the largest lag (trainer version minus sampling version) in the last step",
-    registry=REGISTRY,
+    registry=None,
 )
 POLICY_LAG_BOUND = Gauge(
     "deltarl_policy_lag_bound",
     "Scheduler: max_policy_lag_steps, the bound the lag must stay within",
-    registry=REGISTRY,
+    registry=None,
 )
 PADDING_RATIO = Gauge(
     "deltarl_padding_ratio",
     "Scheduler: 1 - real / allocated tokens of the last step's training micro-batches",
-    registry=REGISTRY,
+    registry=None,
 )
 SKEWNESS = Gauge(
     "deltarl_skewness",
     "Scheduler: the busiest instance's busy time over the mean, in the last step",
-    registry=REGISTRY,
+    registry=None,
 )
 SORTING_WAIT = Gauge(
     "deltarl_sorting_wait",
     "Scheduler: the mean pool wait of the last step's groups over their mean generation time",
-    registry=REGISTRY,
+    registry=None,
 )
 LENGTH_ERROR = Gauge(
     "deltarl_length_prediction_error",
     "Scheduler: mean relative error of the predicted output lengths in the last step",
-    registry=REGISTRY,
+    registry=None,
 )
 SAMPLES = Counter(
     "deltarl_samples",
     "Scheduler: samples shipped to the trainer",
-    registry=REGISTRY,
+    registry=None,
 )
 TOKENS = Counter(
     "deltarl_tokens",
     "Scheduler: completion tokens generated, by fate (trained or wasted: dropped as stale)",
     ["fate"],
-    registry=REGISTRY,
+    registry=None,
 )
 REWARD_MEAN = Gauge(
     "deltarl_reward_mean",
     "Scheduler: the mean reward of the last step's samples",
-    registry=REGISTRY,
+    registry=None,
 )
 REWARD_SECONDS = Histogram(
     "deltarl_reward_seconds",
     "Scheduler: seconds to score one group at the reward service",
     buckets=STAGE_BUCKETS,
-    registry=REGISTRY,
+    registry=None,
 )
 REWARD_ERRORS = Counter(
     "deltarl_reward_errors",
     "Scheduler: groups the reward service failed to score",
-    registry=REGISTRY,
+    registry=None,
 )
 INSTANCE_HEALTHY = Gauge(
     "deltarl_instance_healthy",
     "Scheduler: 1 while a rollout instance is given work, 0 while it is removed (silent or"
     " a straggler)",
-    ["instance"],
-    registry=REGISTRY,
+    ["rollout"],
+    registry=None,
 )
 INSTANCE_VERSION = Gauge(
     "deltarl_instance_version",
     "Scheduler: the weight version a rollout instance last reported",
-    ["instance"],
-    registry=REGISTRY,
+    ["rollout"],
+    registry=None,
 )
 INSTANCES_REMOVED = Counter(
     "deltarl_instances_removed",
     "Scheduler: rollout instances removed (silent past their lease, or stragglers)",
-    registry=REGISTRY,
+    registry=None,
 )
 
 # -- a rollout daemon ---------------------------------------------------------------------------
@@ -234,14 +236,14 @@ ROLLOUT_BUSY_SECONDS = Counter(
     "deltarl_rollout_busy_seconds",
     "Rollout: seconds inside engine steps (seed 000's busy time: max over mean across the"
     " instances is the skewness)",
-    registry=REGISTRY,
+    registry=None,
 )
 ROLLOUT_TOKENS = Counter(
     "deltarl_rollout_tokens",
     "Rollout: tokens of finished groups, by kind (completion; prompt; prompt_cached: prompt"
     " tokens taken from the prefix cache, prefill saved)",
     ["kind"],
-    registry=REGISTRY,
+    registry=None,
 )
 
 # -- the trainer -------------------------------------------------------------------------------
@@ -250,16 +252,84 @@ TRAIN_STEP_SECONDS = Histogram(
     "deltarl_train_step_seconds",
     "Trainer: seconds of one training step (forward, backward, optimizer)",
     buckets=STEP_BUCKETS,
-    registry=REGISTRY,
+    registry=None,
 )
-TRAIN_LOSS = Gauge("deltarl_train_loss", "Trainer: the last step's loss", registry=REGISTRY)
+TRAIN_LOSS = Gauge("deltarl_train_loss", "Trainer: the last step's loss", registry=None)
 TRAIN_GRAD_NORM = Gauge(
     "deltarl_train_grad_norm",
     "Trainer: the last step's gradient norm (before clipping)",
-    registry=REGISTRY,
+    registry=None,
 )
 
 # -- every daemon, read at scrape time ----------------------------------------------------------
+
+
+OWNED: dict[str, tuple[Collector, ...]] = {
+    "apply": (
+        REFIT_STAGE_SECONDS,
+        REFIT_VERSIONS,
+        REFIT_FAILED,
+        REFIT_WIRE_BYTES,
+        CHECKSUM_FAILURES,
+        MAC_FAILURES,
+        ACTIVE_VERSION,
+    ),
+    "export": (
+        EXPORT_STAGE_SECONDS,
+        EXPORT_VERSIONS,
+        EXPORT_FAILED,
+        EXPORT_WIRE_BYTES,
+        CHANGED_RATIO,
+        PUBLISHED_VERSION,
+        ACKED_VERSION,
+    ),
+    "scheduler": (
+        TRAINER_VERSION,
+        STEPS_FINALISED,
+        POLICY_LAG,
+        POLICY_LAG_BOUND,
+        PADDING_RATIO,
+        SKEWNESS,
+        SORTING_WAIT,
+        LENGTH_ERROR,
+        SAMPLES,
+        TOKENS,
+        REWARD_MEAN,
+        REWARD_SECONDS,
+        REWARD_ERRORS,
+        INSTANCE_HEALTHY,
+        INSTANCE_VERSION,
+        INSTANCES_REMOVED,
+    ),
+    "rollout": (ROLLOUT_BUSY_SECONDS, ROLLOUT_TOKENS),
+    "trainer": (TRAIN_STEP_SECONDS, TRAIN_LOSS, TRAIN_GRAD_NORM),
+}
+"""Which families each daemon serves. The metric objects exist in every process (the code
+that counts is shared), but a daemon serves only its own: an unlabelled gauge of another
+daemon's would be served as 0 and read as a fact (an "active version 0" from the scheduler)."""
+
+
+def register_daemon(daemon: str) -> Callable[[], None]:
+    """Serve ``daemon``'s families from REGISTRY; returns what stops serving them."""
+    owned = OWNED.get(daemon, ())
+    for collector in owned:
+        REGISTRY.register(collector)
+
+    def unregister() -> None:
+        for collector in owned:
+            REGISTRY.unregister(collector)
+
+    return unregister
+
+
+def catalogue() -> CollectorRegistry:
+    """A registry holding every family any daemon serves (for checking names against)."""
+    registry = CollectorRegistry()
+    ProcessCollector(namespace="deltarl", registry=registry)
+    for owned in OWNED.values():
+        for collector in owned:
+            registry.register(collector)
+    return registry
 
 
 RUNTIME_SERIES = (
@@ -330,4 +400,10 @@ def register_runtime(control: ControlActor, version: str) -> Callable[[], None]:
     """Register the runtime's collector; returns what unregisters it (the daemon's end)."""
     collector = RuntimeCollector(control, version)
     REGISTRY.register(collector)
-    return lambda: REGISTRY.unregister(collector)
+    unregister_owned = register_daemon(control.core_actor.core.daemon)
+
+    def unregister() -> None:
+        unregister_owned()
+        REGISTRY.unregister(collector)
+
+    return unregister

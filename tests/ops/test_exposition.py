@@ -64,15 +64,19 @@ async def _serve_and_ask(address: str, *requests: bytes) -> list[bytes]:
 
 def test_tcp_answers_get_metrics_and_refuses_the_rest() -> None:
     metrics.REFIT_VERSIONS.labels("delta").inc(0)  # a labelled family with a sample
-    ok, missing, post, garbage = asyncio.run(
-        _serve_and_ask(
-            "127.0.0.1:0",
-            b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
-            b"GET / HTTP/1.1\r\n\r\n",
-            b"POST /metrics HTTP/1.1\r\n\r\n",
-            b"hello\r\n\r\n",
+    serving = metrics.register_daemon("apply")
+    try:
+        ok, missing, post, garbage = asyncio.run(
+            _serve_and_ask(
+                "127.0.0.1:0",
+                b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET / HTTP/1.1\r\n\r\n",
+                b"POST /metrics HTTP/1.1\r\n\r\n",
+                b"hello\r\n\r\n",
+            )
         )
-    )
+    finally:
+        serving()
     head, _, body = ok.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK")
     assert b"text/plain; version=0.0.4" in head
@@ -80,6 +84,7 @@ def test_tcp_answers_get_metrics_and_refuses_the_rest() -> None:
     text = body.decode()
     assert "deltarl_process_open_fds " in text
     assert 'deltarl_refit_versions_total{kind="delta"}' in text
+    assert "deltarl_trainer_version" not in text  # the scheduler's: not served by an apply agent
     # No series outside deltarl_* (no library globals such as python_gc_*).
     names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
     assert names
