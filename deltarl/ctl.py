@@ -11,8 +11,21 @@ Output is human-readable by default and exactly one JSON object on stdout with `
 ``deltarl ctl scheduler history [--json]`` reads the scheduler's run metadata: a table of
 its steps (weight version, reward, samples, lag, timings), or the ``History`` reply as JSON.
 
+The export agent's operator commands (another daemon answers them ``unsupported``, exit 1):
+
+- ``deltarl ctl export versions [--limit N] [--json]``: the versions its manifest store holds
+  (the newest N, default all), one table row per version, newest last: version, base, kind,
+  state, wire bytes, elements changed, recorded and last-changed times (local), error. With
+  ``--json`` the object also has ``"versions"``: the ``Versions`` reply's rows (``version``,
+  ``base_version``, ``kind``, ``state``, ``created``, ``updated``, ``wire_bytes``,
+  ``changed``, ``error``; times in seconds since the epoch) and ``"omitted"``.
+- ``deltarl ctl export deltas off|on``: turn deltas off (every version sent afterwards is full,
+  until ``deltas on``) or back on; the export agent keeps the setting across restarts and
+  reports it as ``deltas_enabled`` in its status.
+
 Exit codes: 0 done; 1 the daemon answered with an error; 2 usage or configuration error
-(including an unknown target name); 3 no reply in time (daemon down or wrong endpoint).
+(including an unknown target name, and a bad argument such as ``deltas maybe``); 3 no reply
+in time (daemon down or wrong endpoint).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,14 +56,17 @@ from deltarl.transport.messages import (
     Drain,
     Error,
     GetStatus,
+    GetVersions,
     Ok,
     Pause,
     Reply,
     Resume,
     Resync,
     Rollback,
+    SetDeltas,
     Shutdown,
     Status,
+    Versions,
 )
 
 EXIT_OK = 0
@@ -57,7 +74,19 @@ EXIT_ERROR_REPLY = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
-COMMAND_NAMES = ("status", "pause", "resume", "drain", "resync", "rollback", "shutdown", "history")
+COMMAND_NAMES = (
+    "status",
+    "pause",
+    "resume",
+    "drain",
+    "resync",
+    "rollback",
+    "shutdown",
+    "history",
+    "versions",
+    "deltas",
+)
+DELTAS_ARGS = {"on": True, "off": False}
 
 
 class TargetError(ValueError):
@@ -105,9 +134,23 @@ def resolve_target(target: str, path: Path | None) -> str:
         raise TargetError(f"config {path}: [daemons.{target}]: {e}") from None
 
 
-def build_command(name: str, to_version: int | None) -> Command:
+def build_command(
+    name: str, to_version: int | None, arg: str | None = None, limit: int | None = None
+) -> Command:
+    """The command for NAME; ``arg`` is the positional after it (only ``deltas`` takes one)."""
     if to_version is not None and name != "rollback":
         raise TargetError("--to is only meaningful with rollback", "usage")
+    if limit is not None and name != "versions":
+        raise TargetError("--limit is only meaningful with versions", "usage")
+    if limit is not None and limit < 1:
+        raise TargetError(f"--limit must be at least 1, got {limit}", "usage")
+    if name == "deltas":
+        if arg not in DELTAS_ARGS:
+            got = "nothing" if arg is None else repr(arg)
+            raise TargetError(f"deltas takes on or off, got {got}", "usage")
+        return SetDeltas(enabled=DELTAS_ARGS[arg])
+    if arg is not None:
+        raise TargetError(f"{name} takes no argument, got {arg!r}", "usage")
     commands: dict[str, Command] = {
         "status": GetStatus(),
         "pause": Pause(),
@@ -117,6 +160,7 @@ def build_command(name: str, to_version: int | None) -> Command:
         "rollback": Rollback(version=to_version),
         "shutdown": Shutdown(),
         "history": GetHistory(),
+        "versions": GetVersions(limit=limit),
     }
     return commands[name]
 
@@ -228,12 +272,53 @@ def format_history(history: History) -> str:
     return "\n".join(lines)
 
 
+def _clock(seconds: Any) -> str:  # noqa: ANN401 - a JSON value
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        return _cell(seconds)
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def format_versions(versions: Versions) -> str:
+    """One line per version, newest last: version, base, kind, state, wire bytes, elements
+    changed, when recorded and last changed (local time), and the error of a failed one."""
+    header = ("version", "base", "kind", "state", "wire bytes", "changed", "created", "updated")
+    rows = [header]
+    errors = []
+    for v in versions.versions:
+        base = v.get("base_version")
+        rows.append(
+            (
+                _cell(v.get("version")),
+                "-" if not isinstance(base, int) or base < 0 else str(base),
+                _cell(v.get("kind")),
+                _cell(v.get("state")),
+                _cell(v.get("wire_bytes")),
+                _cell(v.get("changed")),
+                _clock(v.get("created")),
+                _clock(v.get("updated")),
+            )
+        )
+        errors.append(v.get("error") or "")
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + (f"  {e}" if e else "")
+        for r, e in zip(rows, ["error", *errors], strict=True)
+    ]
+    if not versions.versions:
+        lines.append("(no versions recorded)")
+    if versions.omitted:
+        lines.append(f"({versions.omitted} older versions left out: use --limit)")
+    return "\n".join(lines)
+
+
 def format_reply(target: str, command: Command, reply: Reply) -> str:
     """What a person reads for a reply that is not an error."""
     if isinstance(reply, Status):
         return format_status(reply)
     if isinstance(reply, History):
         return format_history(reply)
+    if isinstance(reply, Versions):
+        return format_versions(reply)
     if isinstance(reply, Ok):
         return f"{target}: {command.TAG}: ok" + (f" ({reply.detail})" if reply.detail else "")
     return f"{target}: {command.TAG}: {reply.TAG}: {orjson.dumps(reply).decode()}"
@@ -247,17 +332,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("target", help="daemon name from the config, or an ipc:// or tcp:// endpoint")
     ap.add_argument("command", choices=COMMAND_NAMES)
+    ap.add_argument("arg", nargs="?", metavar="on|off", help="deltas: on or off")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ap.add_argument("--config", metavar="FILE", help=f"TOML or JSON config (or ${CONFIG_ENV})")
     ap.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds to wait"
     )
     ap.add_argument("--to", type=int, metavar="VERSION", help="rollback: the version to restore")
+    ap.add_argument("--limit", type=int, metavar="N", help="versions: only the newest N")
     return ap
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # ``deltas --json off`` too
     report: dict[str, Any] = {"ok": False, "target": args.target, "command": args.command}
 
     def fail(code: str, message: str, exit_code: int) -> int:
@@ -270,7 +357,7 @@ def main(argv: list[str]) -> int:
     if not args.timeout > 0:
         return fail("usage", f"--timeout must be positive, got {args.timeout:g}", EXIT_USAGE)
     try:
-        command = build_command(args.command, args.to)
+        command = build_command(args.command, args.to, args.arg, args.limit)
         endpoint = resolve_target(args.target, config_path(args.config))
     except TargetError as e:
         return fail(e.code, str(e), EXIT_USAGE)
@@ -287,6 +374,8 @@ def main(argv: list[str]) -> int:
         return fail(reply.code, message, EXIT_ERROR_REPLY)
     if args.json:
         report.update(ok=True, reply={"type": reply.TAG, "body": dataclasses.asdict(reply)})
+        if isinstance(reply, Versions):  # the rows at the top too, as the docstring says
+            report.update(versions=reply.versions, omitted=reply.omitted)
         print(orjson.dumps(report).decode())
     else:
         print(format_reply(args.target, command, reply))

@@ -13,10 +13,10 @@ The reference and its acknowledgement (docs/architecture.md, "Why it pays: the r
     1. the receiver's latest state: {session, active_version, needs_full, failed_version}
        none, or older than the feed's stale_s -> send nothing, wait (a restarting receiver
        must not get a delta)
-    2. full version if: no reference | session differs (receiver restarted) | its active
-       version is not the reference version (rolled back, or lost a version) | needs_full
-       (it refused a delta or failed one) | a ``resync`` command | full_resync_every deltas
-       in a row; otherwise a delta on the reference
+    2. full version if: deltas turned off (``deltas off``) | no reference | session differs
+       (receiver restarted) | its active version is not the reference version (rolled back,
+       or lost a version) | needs_full (it refused a delta or failed one) | a ``resync``
+       command | full_resync_every deltas in a row; otherwise a delta on the reference
     3. encode and send; the manifest last (stream: returns once everything is acked)
     4. wait for the states the receiver pushes: active_version == v (same session): verified
        + active, the reference becomes v | failed_version == v, the session changed, or
@@ -31,6 +31,18 @@ a trainer that publishes nothing newer (paused, finished, or waiting for samples
 the new weights) must not leave the receivers one version behind for good.
 
 Drain: no new version is taken; the one in flight is sent and its acknowledgement awaited.
+
+Operator commands (besides ``resync``), through ``handlers()``:
+
+- ``versions`` (``GetVersions``): the manifest store's rows, answered ``Versions``
+  (``deltarl ctl export versions``).
+- ``deltas`` (``SetDeltas``): the lever that turns deltas off, ``enabled=False``: every
+  version sent afterwards is full (reason "deltas turned off by an operator", first of the
+  rules of step 2), until ``enabled=True``. The reference is still kept meanwhile, so the
+  first version after ``deltas on`` is a delta again. The switch is kept in a small file
+  beside the manifest store's (``<manifest store>.deltas.json``, written atomically) and read
+  at start, so it survives a restart; an unreadable file leaves deltas off (full versions are
+  always correct) and logs why.
 """
 
 from __future__ import annotations
@@ -43,10 +55,13 @@ import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import orjson
 
+from deltarl.atomic_file import write_atomic
 from deltarl.codecs.encoder import Chunk, DeltaEncoder
 from deltarl.codecs.frame import CHUNKS_PER_SEND, SEND_SLOTS
 from deltarl.codecs.manifest import RefitManifest
@@ -55,17 +70,33 @@ from deltarl.config.refit import ExportConfig
 from deltarl.engine.daemon import DaemonContext, DaemonCore, PauseGate
 from deltarl.engine.leases import Snapshot
 from deltarl.engine.weight_store import WeightStore
-from deltarl.refit.manifest_store import ManifestStore, ManifestStoreError, State
+from deltarl.ops import metrics
+from deltarl.refit.manifest_store import ManifestStore, ManifestStoreError, State, VersionRecord
 from deltarl.refit.receiver_state import ReceiverState, RefitRecord, StateFeed
 from deltarl.transport.base import ChunkSender, LinkError
 from deltarl.transport.control import Handler
-from deltarl.transport.messages import Command, Ok, RefitFailed, Resync, VersionPublished
+from deltarl.transport.messages import (
+    MAX_MESSAGE_BYTES,
+    Command,
+    Error,
+    ErrorCode,
+    GetVersions,
+    Ok,
+    RefitFailed,
+    Resync,
+    SetDeltas,
+    VersionPublished,
+    Versions,
+)
 
 logger = logging.getLogger(__name__)
 
 RECENT = 64
 RETRY_S = 0.5  # the first back-off before a failed version is sent again
 RETRY_MAX_S = 10.0
+DELTAS_OFF = "deltas turned off by an operator"  # the full reason while the switch is off
+ALL_VERSIONS = (1 << 63) - 1  # a ``history`` limit that takes every row (sqlite's largest)
+VERSIONS_REPLY_BYTES = MAX_MESSAGE_BYTES - 4096  # rows of a Versions reply, at most
 
 
 async def put_unless_done(
@@ -95,9 +126,18 @@ class Reference:
         self.buffer = self.version = self.session = None
 
     def full_reason(  # noqa: PLR0911
-        self, receiver: ReceiverState, version: int, *, resync: bool, every: int
+        self,
+        receiver: ReceiverState,
+        version: int,
+        *,
+        resync: bool,
+        every: int,
+        deltas: bool = True,
     ) -> str | None:
-        """Why version ``version`` must go in full (None: a delta on the reference is safe)."""
+        """Why version ``version`` must go in full (None: a delta on the reference is safe).
+        ``deltas=False``: an operator turned deltas off, every version is full."""
+        if not deltas:
+            return DELTAS_OFF
         if self.buffer is None or self.version is None:
             return "no reference"
         if receiver.session != self.session:
@@ -149,6 +189,11 @@ class ExportCore(DaemonCore):
         self.ref = Reference()
         self._spare: np.ndarray | None = None  # receives the next version (_take_spare)
         self.resync_pending = False
+        self.deltas_path = deltas_switch_path(manifests.path)
+        self.deltas_enabled = load_deltas_switch(self.deltas_path)
+        if not self.deltas_enabled:
+            logger.warning("deltas are off (%s): every version is sent in full", DELTAS_OFF)
+        self.last_full_reason: str | None = None  # why the last version sent went in full
         self.draining = False
         self.shipping = False
         self._idle = asyncio.Event()
@@ -167,6 +212,8 @@ class ExportCore(DaemonCore):
         # The last RECENT records: `deltarl up` reads every refit's figures from here even
         # when versions come faster than it polls.
         self.recent: deque[RefitRecord] = deque(maxlen=RECENT)
+        # Read at scrape time from the trainer's store: never behind it.
+        metrics.PUBLISHED_VERSION.set_function(self._published_version)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -352,8 +399,13 @@ class ExportCore(DaemonCore):
         assert self.encoder is not None  # set in run() before the loop
         version = snap.version
         reason = self.ref.full_reason(
-            receiver, version, resync=self.resync_pending, every=self.config.full_resync_every
+            receiver,
+            version,
+            resync=self.resync_pending,
+            every=self.config.full_resync_every,
+            deltas=self.deltas_enabled,
         )
+        self.last_full_reason = reason
         base = None if reason else self.ref.version
         session = receiver.session
         kind = "delta" if base is not None else "full"
@@ -437,6 +489,7 @@ class ExportCore(DaemonCore):
         if recorded:
             self._mark(version, State.UPLOADED)
         self.sent += 1
+        metrics.EXPORT_WIRE_BYTES.labels(kind).inc(nbytes)
         await self.context.publish(VersionPublished(version, base, nbytes))
         self.detail = f"waiting for the apply agent to activate {version}"
         outcome, acked_by = await self._await_ack(version, session, receiver.failures)
@@ -460,6 +513,15 @@ class ExportCore(DaemonCore):
             elements=self.encoder.layout.numel,
         )
         self.recent.append(record)
+        if outcome is None:
+            stages = metrics.EXPORT_STAGE_SECONDS
+            for stage in ("copy", "encode", "send"):
+                stages.labels(stage).observe(getattr(record, f"{stage}_s"))
+            stages.labels("total").observe(record.seconds)
+            metrics.EXPORT_VERSIONS.labels(kind).inc()
+            metrics.ACKED_VERSION.set(version)
+            if kind == "delta" and record.elements:
+                metrics.CHANGED_RATIO.set(record.changed / record.elements)
         if outcome is not None:
             await self._failed(version, outcome, recorded=recorded)
             return
@@ -502,6 +564,7 @@ class ExportCore(DaemonCore):
         # and send the newest version again after a back-off, whether or not a newer comes.
         self.ref.drop()
         self.failed += 1
+        metrics.EXPORT_FAILED.inc()
         self.retry_at = time.monotonic() + self._backoff
         self._backoff = min(2 * self._backoff, RETRY_MAX_S)
         logger.warning("version %d failed: %s", version, reason)
@@ -551,6 +614,11 @@ class ExportCore(DaemonCore):
         if self.store is not None:
             self.store.close()
 
+    def _published_version(self) -> float:
+        """The trainer's newest version, as a gauge reads it (-1: none yet)."""
+        version = None if self.store is None else self.store.active_version
+        return -1.0 if version is None else float(version)
+
     def status_fields(self) -> dict[str, Any]:
         recent = [record_fields(r) for r in self.recent]
         return {
@@ -561,6 +629,8 @@ class ExportCore(DaemonCore):
             "deltas_in_a_row": self.ref.deltas_in_a_row,
             "full_resync_every": self.config.full_resync_every,
             "resync_pending": self.resync_pending,
+            "deltas_enabled": self.deltas_enabled,
+            "last_full_reason": self.last_full_reason,
             "sent": self.sent,
             "failed": self.failed,
             "republished": self.republished,
@@ -573,13 +643,103 @@ class ExportCore(DaemonCore):
         }
 
     def handlers(self) -> Mapping[type[Command], Handler]:
-        return {Resync: self.on_resync}
+        return {Resync: self.on_resync, GetVersions: self.on_versions, SetDeltas: self.on_deltas}
 
     async def on_resync(self, _: Resync) -> Ok:
         # The next version is full; and a receiver that does not hold the newest version
         # (rolled back, restarted) gets it again now, in full, whether or not a newer comes.
         self.resync_pending = True
         return Ok("the next version is sent in full")
+
+    async def on_versions(self, cmd: GetVersions) -> Versions | Error:
+        """The manifest store's rows (the newest ``cmd.limit``, else all), newest last."""
+        if cmd.limit is not None and cmd.limit < 1:
+            return Error(
+                ErrorCode.BAD_FIELDS, f"'versions': limit must be at least 1, got {cmd.limit}"
+            )
+        limit = ALL_VERSIONS if cmd.limit is None else cmd.limit
+        # In a thread: history reads every row's manifest too (megabytes for a large model).
+        records = await asyncio.to_thread(self.manifests.history, limit)
+        return versions_reply(records)
+
+    async def on_deltas(self, cmd: SetDeltas) -> Ok | Error:
+        """Turn deltas off (every version goes in full) or on again; saved for restarts."""
+        changed = cmd.enabled != self.deltas_enabled
+        self.deltas_enabled = cmd.enabled  # now, even if it cannot be saved: the lever works
+        if changed:
+            logger.warning("deltas turned %s by an operator", "on" if cmd.enabled else "off")
+        detail = (
+            "deltas on: versions go as deltas again"
+            if cmd.enabled
+            else "deltas off: every version is sent in full until `deltas on`"
+        )
+        if self.deltas_path is not None:
+            try:
+                await asyncio.to_thread(save_deltas_switch, self.deltas_path, cmd.enabled)
+            except OSError as e:
+                return Error(
+                    "not_saved",
+                    f"{detail}, but not saved to {self.deltas_path} ({e}): "
+                    "a restart of the export agent would forget it",
+                )
+        return Ok(detail if changed else f"{detail} (already)")
+
+
+def deltas_switch_path(manifest_store: Path) -> Path | None:
+    """Where the deltas switch is kept: beside the manifest store's file (None for an
+    in-memory store: the switch then lasts as long as the process)."""
+    if str(manifest_store) in ("", ":memory:"):
+        return None
+    return manifest_store.with_name(f"{manifest_store.name}.deltas.json")
+
+
+def load_deltas_switch(path: Path | None) -> bool:
+    """Whether deltas are on: yes without a file; an unreadable one turns them off."""
+    if path is None:
+        return True
+    try:
+        saved = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return True
+    except (OSError, orjson.JSONDecodeError) as e:
+        saved = e
+    enabled = saved.get("deltas_enabled") if isinstance(saved, dict) else None
+    if isinstance(enabled, bool):
+        return enabled
+    logger.error(
+        "deltas switch %s is unreadable (%s): deltas stay off until `deltas on`",
+        path,
+        saved if isinstance(saved, Exception) else "no boolean 'deltas_enabled'",
+    )
+    return False
+
+
+def save_deltas_switch(path: Path, enabled: bool) -> None:
+    """Write the switch atomically: a crash leaves the old setting or the new one."""
+    write_atomic(path, orjson.dumps({"deltas_enabled": enabled, "changed_at": time.time()}))
+
+
+def version_row(record: VersionRecord) -> dict[str, Any]:
+    """A manifest store row as ``Versions`` carries it: the record's fields but the manifest."""
+    row = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    del row["manifest_json"]
+    row["state"] = record.state.value
+    return row
+
+
+def versions_reply(records: list[VersionRecord]) -> Versions:
+    """``records`` (newest first, as ``history`` returns them) as a reply, newest last; the
+    oldest are left out (``omitted``) where all would not fit in one control message."""
+    rows: list[dict[str, Any]] = []
+    size = 0
+    for record in records:
+        row = version_row(record)
+        size += len(orjson.dumps(row)) + 1
+        if size > VERSIONS_REPLY_BYTES:
+            break
+        rows.append(row)
+    rows.reverse()
+    return Versions(rows, omitted=len(records) - len(rows))
 
 
 def record_fields(record: RefitRecord) -> dict[str, Any]:

@@ -150,6 +150,27 @@ class Shutdown(Command):
     TAG: ClassVar[str] = "shutdown"
 
 
+# The export agent's operator commands (another daemon answers them ``unsupported``).
+
+
+@dataclass(frozen=True)
+class GetVersions(Command):
+    """Ask the export agent for the versions its manifest store holds: a ``Versions`` reply."""
+
+    TAG: ClassVar[str] = "versions"
+    limit: int | None = None  # only the newest ``limit`` (at least 1); None: all of them
+
+
+@dataclass(frozen=True)
+class SetDeltas(Command):
+    """Turn deltas off (every version the export agent sends afterwards is full) or back on.
+
+    The setting is kept across restarts of the export agent until the next ``SetDeltas``."""
+
+    TAG: ClassVar[str] = "deltas"
+    enabled: bool
+
+
 # Replies.
 
 
@@ -178,6 +199,23 @@ class Status(Reply):
     daemon: str
     state: str  # e.g. "running", "paused", "draining"
     fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Versions(Reply):
+    """The answer to ``GetVersions``: the manifest store's rows, oldest first (newest last).
+
+    Each row has the fields of ``ManifestStore.history``'s records but the manifest itself:
+    ``version``, ``base_version`` (-1 for a full version), ``kind`` ("delta" | "full"),
+    ``state`` (pending, uploaded, verified, active, superseded, failed), ``created`` and
+    ``updated`` (seconds since the epoch: recorded, last state change), ``wire_bytes``,
+    ``changed`` (elements that differ from the base) and ``error`` (why it failed, else None).
+    ``omitted``: older rows left out so that the reply stays under ``MAX_MESSAGE_BYTES``.
+    """
+
+    TAG: ClassVar[str] = "versions"
+    versions: list[Any]
+    omitted: int = 0
 
 
 # Events. Tags are dotted so that a SUB prefix such as "version." selects a family.
@@ -230,9 +268,9 @@ def decode_table(*classes: type[M]) -> dict[str, type[M]]:
 
 
 COMMANDS: dict[str, type[Command]] = decode_table(
-    GetStatus, Pause, Resume, Drain, Resync, Rollback, Shutdown
+    GetStatus, Pause, Resume, Drain, Resync, Rollback, Shutdown, GetVersions, SetDeltas
 )
-REPLIES: dict[str, type[Reply]] = decode_table(Ok, Error, Status)
+REPLIES: dict[str, type[Reply]] = decode_table(Ok, Error, Status, Versions)
 EVENTS: dict[str, type[Event]] = decode_table(VersionPublished, VersionApplied, RefitFailed)
 
 
