@@ -4,7 +4,9 @@ The core is ``deltarl.refit.export.ExportCore`` (the reference, the acknowledgem
 this module wires it: the link's sender, the manifest store, and a ``ReceiverWatch`` that
 keeps the core's ``StateFeed`` current from the apply agent's events (``apply_events``) and
 control socket (``apply_control``). Control: ``status``, ``pause``, ``resume``, ``resync``,
-``drain``, ``shutdown``.
+``drain``, ``shutdown``; ``versions`` (the manifest store's history: ``deltarl ctl export
+versions``) and ``deltas`` (``deltarl ctl export deltas off|on``: full versions only until
+turned back on, kept across restarts).
 """
 
 from __future__ import annotations
