@@ -41,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from deltarl import ctl_status
 from deltarl.config import CONFIG_ENV, ConfigError, config_path, load_config
 from deltarl.rl.protocol import REPLIES as RL_REPLIES
 from deltarl.rl.protocol import GetHistory, History
@@ -343,7 +344,42 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def pipeline_main(argv: list[str]) -> int:
+    """``deltarl ctl status [--json] [--config FILE] [--timeout S] [--prometheus URL]``."""
+    ap = argparse.ArgumentParser(
+        prog="deltarl ctl status", description="every daemon of the config at a glance"
+    )
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--config", metavar="FILE", help=f"TOML or JSON config (or ${CONFIG_ENV})")
+    ap.add_argument("--timeout", type=float, default=2.0, help="seconds per daemon (default 2)")
+    ap.add_argument("--prometheus", metavar="URL", help="also list the alerts firing there")
+    args = ap.parse_args(argv)
+    path = config_path(args.config)
+    try:
+        state = ctl_status.gather(path, args.timeout, args.prometheus)
+    except ConfigError as e:
+        error = {"code": "config", "message": str(e)}
+        if args.json:
+            print(orjson.dumps({"ok": False, "error": error}).decode())
+        else:
+            print(f"deltarl ctl status: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    ok = bool(state["all_answered"])
+    if args.json:
+        print(orjson.dumps({"ok": ok, **state}).decode())
+    else:
+        print(ctl_status.render(state))
+    return EXIT_OK if ok else EXIT_ERROR_REPLY
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["status"] and (len(argv) == 1 or argv[1].startswith("-")):
+        # No TARGET: the whole pipeline. ``deltarl ctl NAME status`` still asks one daemon.
+        return pipeline_main(argv[1:])
+    return _one_daemon(argv)
+
+
+def _one_daemon(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)  # ``deltas --json off`` too
     report: dict[str, Any] = {"ok": False, "target": args.target, "command": args.command}
 
