@@ -308,7 +308,7 @@ class SchedulerService(DaemonCore):
         inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
         inst.running_groups, inst.queue_depth = cmd.running_groups, cmd.queue_depth
         inst.tokens_per_s, inst.busy_s = cmd.tokens_per_s, cmd.busy_s
-        benched = self.stragglers.benched_for(inst.name, self.monotonic()) > 0
+        benched = bool(self.stragglers.benched_for(inst.name, self.monotonic()))
         self.metrics.instance_seen(inst.name, inst.weight_version, not benched)
         if cmd.reports_held and isinstance(cmd.held, list):
             self._requeue_not_held(cmd.instance, cmd.session, cmd.held)
