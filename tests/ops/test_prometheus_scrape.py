@@ -100,8 +100,8 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[Prom, int]]:
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n"
-        f"  scrape_interval: {SCRAPE_S}s\n"
-        f"  scrape_timeout: {SCRAPE_S}s\n"
+        f"  scrape_interval: {int(SCRAPE_S * 1000)}ms\n"
+        f"  scrape_timeout: {int(SCRAPE_S * 1000)}ms\n"
         "scrape_configs:\n"
         "  - job_name: deltarl\n"
         f"    static_configs:\n      - targets: {orjson.dumps(targets).decode()}\n"
