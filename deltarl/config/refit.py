@@ -54,7 +54,15 @@ class ExportConfig(DaemonTable):
     """Where VersionPublished / RefitFailed are published; None: not published."""
     store_root: Path | None = None
     full_resync_every: int = 50
-    """A full version after this many deltas in a row, to bound every delta chain."""
+    """A full version after this many deltas in a row, to bound every delta chain: the
+    ceiling of the period (``full_resync_overhead`` may shorten it)."""
+    full_resync_overhead: float = 0.05
+    """The adaptive period: a periodic full version may cost this share of the wire bytes
+    that deltas take, so the period is the number of deltas whose bytes make a full version
+    worth sending: ceil(full bytes / (overhead x mean delta bytes)), measured on this run's
+    versions, at most ``full_resync_every``. Small deltas (a low changed ratio) keep the
+    ceiling; deltas near a full version's size resync more often, as it costs little more.
+    0 turns it off (the fixed period)."""
     chunk_bytes: int = 16 << 20
     """Input bytes per encoded chunk. Measured on 98M params (bench refit, 1 Gbit): 4 MiB chunks
     spent more on per-chunk overhead than they gained in overlap (median delta 0.22-0.30 s),
@@ -74,6 +82,7 @@ class ExportConfig(DaemonTable):
     def __post_init__(self) -> None:
         super().__post_init__()
         positive(self, "full_resync_every", "chunk_bytes", "ack_timeout_s", "poll_s")
+        non_negative(self, "full_resync_overhead")
         at_least(self, 1, "keep_versions")
 
 

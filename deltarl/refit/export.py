@@ -16,7 +16,9 @@ The reference and its acknowledgement (docs/architecture.md, "Why it pays: the r
     2. full version if: deltas turned off (``deltas off``) | no reference | session differs
        (receiver restarted) | its active version is not the reference version (rolled back,
        or lost a version) | needs_full (it refused a delta or failed one) | a ``resync``
-       command | full_resync_every deltas in a row; otherwise a delta on the reference
+       command | ``resync_period`` deltas in a row (``full_resync_every``, or fewer where
+       deltas are nearly as large as a full version: ``full_resync_overhead``); otherwise a
+       delta on the reference
     3. encode and send; the manifest last (stream: returns once everything is acked)
     4. wait for the states the receiver pushes: active_version == v (same session): verified
        + active, the reference becomes v | failed_version == v, the session changed, or
@@ -51,6 +53,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import sqlite3
 import time
 from collections import deque
@@ -111,6 +114,22 @@ async def put_unless_done(
     with contextlib.suppress(asyncio.CancelledError):
         await put
     return False
+
+
+def resync_period(
+    ceiling: int, overhead: float, full_bytes: float | None, delta_bytes: float | None
+) -> int:
+    """How many deltas in a row before a periodic full version (seed 004: the period follows
+    the measured change, instead of "full often, to be safe").
+
+    A full version every N deltas costs full_bytes / N per version on top of the deltas; it
+    is worth that when the cost is at most ``overhead`` of a delta's bytes, so N =
+    ceil(full_bytes / (overhead x delta_bytes)), at most ``ceiling`` (the configured period
+    still bounds every delta chain) and at least 1. Unmeasured, or ``overhead`` 0: the
+    ceiling."""
+    if overhead <= 0 or not full_bytes or not delta_bytes:
+        return ceiling
+    return max(1, min(ceiling, math.ceil(full_bytes / (overhead * delta_bytes))))
 
 
 @dataclasses.dataclass
@@ -402,7 +421,7 @@ class ExportCore(DaemonCore):
             receiver,
             version,
             resync=self.resync_pending,
-            every=self.config.full_resync_every,
+            every=self.resync_period(),
             deltas=self.deltas_enabled,
         )
         self.last_full_reason = reason
@@ -614,6 +633,19 @@ class ExportCore(DaemonCore):
         if self.store is not None:
             self.store.close()
 
+    def resync_period(self) -> int:
+        """Deltas in a row before a periodic full version, from this run's wire bytes
+        (``resync_period``); the fixed ceiling until a full and a delta were measured."""
+        sent = [r for r in self.recent if r.outcome == "active"]
+        fulls = [r.wire_bytes for r in sent if r.kind == "full"]
+        deltas = [r.wire_bytes for r in sent if r.kind == "delta"]
+        return resync_period(
+            self.config.full_resync_every,
+            self.config.full_resync_overhead,
+            fulls[-1] if fulls else None,
+            sum(deltas) / len(deltas) if deltas else None,
+        )
+
     def _published_version(self) -> float:
         """The trainer's newest version, as a gauge reads it (-1: none yet)."""
         version = None if self.store is None else self.store.active_version
@@ -628,6 +660,7 @@ class ExportCore(DaemonCore):
             "receiver_session": self.ref.session,
             "deltas_in_a_row": self.ref.deltas_in_a_row,
             "full_resync_every": self.config.full_resync_every,
+            "full_resync_period": self.resync_period(),
             "resync_pending": self.resync_pending,
             "deltas_enabled": self.deltas_enabled,
             "last_full_reason": self.last_full_reason,

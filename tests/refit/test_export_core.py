@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from deltarl.config.refit import ApplyConfig, ExportConfig
 from deltarl.engine.daemon import DaemonContext
 from deltarl.engine.weight_store import WeightStore
 from deltarl.refit.apply import ApplyCore
-from deltarl.refit.export import ExportCore, Reference, put_unless_done
+from deltarl.refit.export import ExportCore, Reference, put_unless_done, resync_period
 from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.refit.receiver_state import ReceiverState, StateFeed
 from deltarl.sim.realistic_deltas import RealisticDeltas
@@ -74,7 +75,11 @@ class Pair:
 
 @contextlib.asynccontextmanager
 async def pair(
-    tmp: Path, *, full_resync_every: int = 50, link_root: Path | None = None
+    tmp: Path,
+    *,
+    full_resync_every: int = 50,
+    full_resync_overhead: float = 0.05,
+    link_root: Path | None = None,
 ) -> AsyncIterator[Pair]:
     trainer = RealisticDeltas(PARAMS, seed=5)
     published = WeightStore.create("pub", trainer.layout, root=tmp)
@@ -93,6 +98,7 @@ async def pair(
         link=link,
         store_root=tmp,
         full_resync_every=full_resync_every,
+        full_resync_overhead=full_resync_overhead,
         ack_timeout_s=10,
         poll_s=0.01,
     )
@@ -135,6 +141,43 @@ def test_versions_arrive_bit_exact_as_deltas_acknowledged_by_events(tmp_path: Pa
                 record = ms.get(3)
                 assert record is not None
                 assert record.state is State.ACTIVE
+
+    asyncio.run(scenario())
+
+
+def test_resync_period_follows_the_measured_sizes() -> None:
+    assert resync_period(50, 0.05, None, None) == 50  # nothing measured yet: the ceiling
+    assert resync_period(50, 0.0, 1e9, 1e9) == 50  # turned off: the fixed period
+    assert resync_period(50, 0.05, 200e6, 2e6) == 50  # 1% deltas: a full costs 2000 deltas
+    assert resync_period(50, 0.05, 200e6, 100e6) == 40  # half-size deltas: every 40
+    assert resync_period(50, 0.05, 200e6, 300e6) == 14  # deltas beyond a full version
+    assert resync_period(50, 1e6, 200e6, 100e6) == 1  # never below one delta
+
+
+def test_periodic_full_versions_come_sooner_when_deltas_are_large(tmp_path: Path) -> None:
+    """An overhead that makes a full version worth 2-3 of this workload's deltas: periodic
+    full versions come long before the ceiling, and no run of deltas outlasts the period in
+    force when it was sent."""
+
+    async def scenario() -> None:
+        async with pair(tmp_path, full_resync_overhead=15.0) as p:
+            await p.active(0)
+            periods = []
+            for _ in range(9):
+                periods.append(p.export.resync_period())
+                await p.active(p.publish())
+            records = list(p.export.recent)
+            full = records[0].wire_bytes
+            delta = statistics.fmean(r.wire_bytes for r in records if r.kind == "delta")
+            expected = resync_period(50, 15.0, full, delta)
+            assert 1 < expected < 9, (full, delta)
+            assert p.export.status_fields()["full_resync_period"] == expected
+            kinds = [r.kind for r in records]
+            assert kinds.count("full") >= 3, kinds  # the first, then periodic ones
+            run = 0
+            for kind, period in zip(kinds[1:], periods, strict=True):
+                run = run + 1 if kind == "delta" else 0
+                assert run <= period, (kinds, periods)
 
     asyncio.run(scenario())
 
