@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         "plan", help="plan a task's prompts: lengths, batches, schedule groups", add_help=False
     )
     sub.add_parser(
+        "export-dry-run",
+        help="encode the trainer's next versions as deltas, check they apply, send nothing",
+        add_help=False,
+    )
+    sub.add_parser(
         "layout",
         help="write a model's published layout (an apply agent's layout_file)",
         add_help=False,
@@ -84,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.scheduler import plan_cli  # noqa: PLC0415 - only when used
 
         return plan_cli.main(rest)
+    if args.command == "export-dry-run":
+        from deltarl.refit import dry_run  # noqa: PLC0415 - heavy imports only when used
+
+        return dry_run.main(rest)
     if args.command == "layout":
         from deltarl import host_setup  # noqa: PLC0415 - only when used
 
