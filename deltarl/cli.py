@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     sub.add_parser(
         "plan", help="plan a task's prompts: lengths, batches, schedule groups", add_help=False
     )
+    sub.add_parser("doctor", help="pre-flight checks of a configured pipeline", add_help=False)
     sub.add_parser(
         "export-dry-run",
         help="encode the trainer's next versions as deltas, check they apply, send nothing",
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.scheduler import plan_cli  # noqa: PLC0415 - only when used
 
         return plan_cli.main(rest)
+    if args.command == "doctor":
+        from deltarl import doctor  # noqa: PLC0415 - only when used
+
+        return doctor.main(rest)
     if args.command == "export-dry-run":
         from deltarl.refit import dry_run  # noqa: PLC0415 - heavy imports only when used
 

@@ -39,7 +39,8 @@ async def _ask(endpoint: str, command: Command, wait_s: float) -> Reply | str:
         return f"down ({e})"
 
 
-async def _gather(daemons: Mapping[str, str], wait_s: float) -> dict[str, Reply | str]:
+async def ask_statuses(daemons: Mapping[str, str], wait_s: float) -> dict[str, Reply | str]:
+    """Every daemon's status at once: its reply, or why there is none ("down (...)")."""
     names = sorted(daemons)
     asks = [_ask(daemons[n], GetStatus(), wait_s) for n in names]
     return dict(zip(names, await asyncio.gather(*asks), strict=True))
@@ -79,7 +80,7 @@ def gather(
         for name, t in tables.items()
         if isinstance(t, dict) and isinstance(t.get("control"), str)
     }
-    answers = asyncio.run(_gather(endpoints, timeout))
+    answers = asyncio.run(ask_statuses(endpoints, timeout))
     daemons: dict[str, dict[str, Any]] = {}
     for name, reply in answers.items():
         if isinstance(reply, Status):

@@ -57,7 +57,7 @@ from deltarl.engine.loop import LoopLagMonitor
 from deltarl.engine.notify import Notifier
 from deltarl.engine.supervisor import Escalate, Supervisor
 from deltarl.ops.exposition import MetricsServer
-from deltarl.ops.metrics import deltarl_version, register_runtime
+from deltarl.ops.metrics import deltarl_version, installed_versions, register_runtime
 from deltarl.transport.control import ControlServer, Handler
 from deltarl.transport.events import EventPublisher
 from deltarl.transport.messages import (
@@ -165,6 +165,8 @@ class RuntimeStats:
     stop_reason: str | None
     loop_lag: dict[str, float | int]
     mailboxes: dict[str, dict[str, int | bool]]
+    versions: dict[str, str | None] = dataclasses.field(default_factory=installed_versions)
+    """deltarl, torch, vLLM and Python as installed where this daemon runs."""
 
 
 @dataclass

