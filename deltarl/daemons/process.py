@@ -57,14 +57,17 @@ def daemon_main(
             logs.configure(daemon, args.name, cfg.log_format, cfg.audit_log)
         except (ValueError, OSError) as e:
             raise ConfigError(f"[daemons.{args.name}]: {e}") from None
-        return run(args.name, cfg, build)
+        return run(args.name, cfg, build, reload=lambda: load(cls, args.name, args.config))
     except CONFIG_ERRORS as e:
         print(f"deltarl {daemon}: {e}", file=sys.stderr)
         return EX_CONFIG
 
 
 def run(
-    name: str, cfg: DaemonTable, build: Callable[[Any, DaemonContext], Awaitable[DaemonCore]]
+    name: str,
+    cfg: DaemonTable,
+    build: Callable[[Any, DaemonContext], Awaitable[DaemonCore]],
+    reload: Callable[[], DaemonTable] | None = None,
 ) -> int:
     """Serve one daemon whose config is loaded; the exit status (ConfigError propagates)."""
 
@@ -78,6 +81,7 @@ def run(
         events=getattr(cfg, "events", None),  # only the daemons that publish have one
         drain_timeout_s=cfg.drain_timeout_s,
         metrics=cfg.metrics,
+        reload=reload,
     )
     try:
         loop.run(main)

@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 from deltarl.engine.actor import Actor, ActorStopped, AskTimeout
 from deltarl.engine.loop import LoopLagMonitor
 from deltarl.engine.notify import Notifier
+from deltarl.engine.reload import reload_core
 from deltarl.engine.supervisor import Escalate, Supervisor
 from deltarl.ops.exposition import MetricsServer
 from deltarl.ops.metrics import deltarl_version, installed_versions, register_runtime
@@ -128,6 +129,10 @@ class DaemonCore:
 
     gate: PauseGate | None = None
     """Set it to support ``pause``/``resume``."""
+
+    reloadable: ClassVar[frozenset[str]] = frozenset()
+    """Keys of the core's ``config`` that ``systemctl reload`` (SIGHUP) may change while it
+    runs (deltarl/engine/reload.py); only keys read from ``self.config`` where they are used."""
 
     async def run(self) -> None:
         await asyncio.Event().wait()
@@ -391,12 +396,15 @@ async def serve(
     events: str | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     metrics: str | None = None,
+    reload: Callable[[], Any] | None = None,
 ) -> None:
     """Run one daemon until it stops; raises EscalationError if its core failed.
 
     ``build`` makes the core (it may raise ConfigError: nothing has been bound yet then).
     ``metrics`` (``HOST:PORT`` or ``unix:PATH``) serves the ``deltarl_*`` metrics there
     (deltarl/ops/exposition.py); an address that cannot be bound is a ConfigError.
+    ``reload`` reads the daemon's table again: with it, SIGHUP reloads what may change live
+    (deltarl/engine/reload.py).
     """
     started = time.monotonic()
     notifier = Notifier.from_environ()
@@ -429,13 +437,23 @@ async def serve(
             core_actor.draining = True
         supervisor.request_shutdown(signal.Signals(signum).name)
 
+    def on_hangup() -> None:
+        # Run by the loop as a callback, not in signal context: reading the table (a small
+        # file) and swapping the core's config happen between two steps of the loop.
+        assert reload is not None  # registered only with it
+        reload_core(core, core.daemon, name, reload)
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = [signal.SIGTERM, signal.SIGINT]
+    for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
+        signals.append(signal.SIGHUP)
     try:
         await supervisor.run()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         if core_actor.incarnations == 0:  # never started (a shutdown during start-up)
             await core_actor.stop(0)

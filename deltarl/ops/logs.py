@@ -69,7 +69,12 @@ def configure(daemon: str, name: str, fmt: str = "text", audit_log: str | None =
             if fmt == "json"
             else logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s")
         )
+    audit_logger = logging.getLogger(AUDIT_LOGGER)
+    for old in [h for h in audit_logger.handlers if getattr(h, "deltarl_audit_file", False)]:
+        audit_logger.removeHandler(old)  # a reload: the file may have moved
+        old.close()
     if audit_log is not None:
         audit = logging.FileHandler(audit_log, encoding="utf-8")  # appends; flushes per record
         audit.setFormatter(JsonFormatter(daemon, name))
-        logging.getLogger(AUDIT_LOGGER).addHandler(audit)
+        audit.deltarl_audit_file = True  # type: ignore[attr-defined]
+        audit_logger.addHandler(audit)

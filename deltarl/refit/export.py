@@ -180,6 +180,10 @@ class ExportCore(DaemonCore):
     """Watches, encodes and sends; its command handlers only set flags the loop reads."""
 
     daemon: ClassVar[str] = "export"
+    # Read from self.config where used (systemctl reload changes them live).
+    reloadable: ClassVar[frozenset[str]] = frozenset(
+        {"full_resync_every", "full_resync_overhead", "ack_timeout_s", "keep_versions"}
+    )
 
     def __init__(
         self,
