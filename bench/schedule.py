@@ -15,7 +15,8 @@ With ``--json``, exactly one JSON object on stdout:
 
 M = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait"} (floats), and added to
 the contract: ``wasted_tokens_ratio`` in each M and ``lag`` (the bound, ``--lag``) at the top.
-``real``, the same policies on the real rollout daemons, is not built yet: it is null.
+``real``: the same policies on the real rollout daemons (``--real``), the same M for each plus
+``model_error``; null without ``--real``.
 """
 
 from __future__ import annotations

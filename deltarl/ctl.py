@@ -329,7 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="deltarl ctl",
         description="send a control command to a running deltarl daemon",
-        epilog="exit codes: 0 done, 1 error reply, 2 usage or config error, 3 no reply in time",
+        epilog="`deltarl ctl status [--json]` with no TARGET shows every daemon of the config "
+        "at once (deltarl/ctl_status.py). Exit codes: 0 done, 1 error reply, 2 usage or config "
+        "error, 3 no reply in time",
     )
     ap.add_argument("target", help="daemon name from the config, or an ipc:// or tcp:// endpoint")
     ap.add_argument("command", choices=COMMAND_NAMES)
@@ -339,7 +341,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds to wait"
     )
-    ap.add_argument("--to", type=int, metavar="VERSION", help="rollback: the version to restore")
+    ap.add_argument(
+        "--to",
+        type=int,
+        metavar="VERSION",
+        help="rollback: the version expected back (refused unless it is the one kept)",
+    )
     ap.add_argument("--limit", type=int, metavar="N", help="versions: only the newest N")
     return ap
 

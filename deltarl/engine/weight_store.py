@@ -386,8 +386,10 @@ class WeightStore:
                 f"lock for the whole {timeout:.2f} s wait (one transaction or rollback at a time)"
             )
 
-    def rollback(self, timeout: float | None = 10.0) -> int:
+    def rollback(self, timeout: float | None = 10.0, to: int | None = None) -> int:
         """Make the previous version active again with one flip; returns that version.
+        ``to``: the version asked for; RollbackError (nothing flipped) unless it is the one
+        kept (only one older version is).
 
         Needs only the writer lock: the flip writes no buffer bytes, so readers of either
         buffer keep their leases (the next writer waits for those on the rolled-back one).
@@ -396,6 +398,11 @@ class WeightStore:
         try:
             self._take_writer_lock(fd, timeout, "roll back")
             current, previous, other = self._rollback_target()
+            if to is not None and to != previous:
+                raise RollbackError(
+                    f"weight store {self.name!r}: version {to} is not kept; the only older "
+                    f"version is {previous} (active {current})"
+                )
             self._pointer.flip(other)  # I1: checked READY. I3: under the writer lock
         finally:
             os.close(fd)

@@ -228,7 +228,7 @@ INSTANCE_VERSION = Gauge(
 )
 INSTANCES_REMOVED = Counter(
     "deltarl_instances_removed",
-    "Scheduler: rollout instances removed (silent past their lease, or stragglers)",
+    "Scheduler: rollout instances removed (silent past heartbeat_timeout_s, or stragglers)",
     registry=None,
 )
 

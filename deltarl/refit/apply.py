@@ -566,15 +566,12 @@ class ApplyCore(DaemonCore):
             if self.job is not None:
                 await self._fail(self.job.version, "interrupted by a rollback")
             try:
-                previous = await asyncio.to_thread(self.store.rollback, 5.0)
+                # A version other than the one kept is refused, nothing flipped: an operator
+                # who asked for v must never be answered "ok" holding another.
+                previous = await asyncio.to_thread(self.store.rollback, 5.0, command.version)
             except RollbackError as e:
                 return Error("no_previous_version", str(e))
             self._changed.set()
-            if command.version is not None and command.version != previous:
-                # Only one older version is kept; undo is one more flip, but say what happened.
-                logger.warning(
-                    "rollback to %d asked, %d was the one kept", command.version, previous
-                )
             return Ok(f"rolled back to version {previous}")
 
 

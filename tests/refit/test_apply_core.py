@@ -24,7 +24,7 @@ from deltarl.refit.receiver_state import GetReceiverState, ReceiverState, StateF
 from deltarl.sim.realistic_deltas import RealisticDeltas
 from deltarl.transport.base import ReceivedChunk, ReceivedManifest, make_receiver
 from deltarl.transport.link_config import ShmLinkConfig
-from deltarl.transport.messages import Event, Ok, RefitFailed, Rollback, VersionApplied
+from deltarl.transport.messages import Error, Event, Ok, RefitFailed, Rollback, VersionApplied
 from tests.codecs.forge import reseal
 
 PARAMS = 200_000
@@ -125,7 +125,13 @@ def test_apply_core_refuses_what_it_cannot_apply_and_says_so(tmp_path: Path) -> 
         assert (st.active_version, st.needs_full) == (3, False)
         with store.lease() as snap:
             assert np.array_equal(snap.buffer, vs[3])
-        assert await core.on_rollback(Rollback()) == Ok("rolled back to version 1")
+        # --to a version that is not the one kept: refused, nothing flipped
+        refused = await core.on_rollback(Rollback(version=2))
+        assert isinstance(refused, Error)
+        assert refused.code == "no_previous_version"
+        assert "the only older version is 1" in refused.message
+        assert core.receiver_state().active_version == 3
+        assert await core.on_rollback(Rollback(version=1)) == Ok("rolled back to version 1")
         with store.lease() as snap:
             assert snap.version == 1
             assert np.array_equal(snap.buffer, vs[1])
