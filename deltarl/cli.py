@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         "plan", help="plan a task's prompts: lengths, batches, schedule groups", add_help=False
     )
     sub.add_parser("doctor", help="pre-flight checks of a configured pipeline", add_help=False)
+    sub.add_parser("drill", help="run an operator drill (rollback) for real", add_help=False)
     sub.add_parser(
         "export-dry-run",
         help="encode the trainer's next versions as deltas, check they apply, send nothing",
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.scheduler import plan_cli  # noqa: PLC0415 - only when used
 
         return plan_cli.main(rest)
+    if args.command == "drill":
+        from deltarl import drills  # noqa: PLC0415 - only when used
+
+        return drills.main(rest)
     if args.command == "doctor":
         from deltarl import doctor  # noqa: PLC0415 - only when used
 
