@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = ("codec", "refit", "samples", "schedule")
+BENCHES = ("codec", "refit", "samples", "schedule", "export-cost")
 DAEMONS = {
     "trainer": "run the trainer daemon (--synthetic: a simulated policy)",
     "export": "run the export agent: diff, encode and send each published version",
@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.bench import schedule  # noqa: PLC0415 - heavy imports only when used
 
         return schedule.main(rest)
+    if args.command == "bench" and args.name == "export-cost":
+        from deltarl.bench import export_cost  # noqa: PLC0415 - heavy imports only when used
+
+        return export_cost.main(rest)
     if args.command == "bench" and args.name == "samples":
         from deltarl.bench import samples  # noqa: PLC0415 - heavy imports only when used
 
