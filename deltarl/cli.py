@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     sub.add_parser("doctor", help="pre-flight checks of a configured pipeline", add_help=False)
     sub.add_parser("drill", help="run an operator drill (rollback) for real", add_help=False)
     sub.add_parser(
+        "trainer-restore",
+        help="make an older checkpoint the one the stopped trainer resumes from",
+        add_help=False,
+    )
+    sub.add_parser(
         "export-dry-run",
         help="encode the trainer's next versions as deltas, check they apply, send nothing",
         add_help=False,
@@ -95,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from deltarl.scheduler import plan_cli  # noqa: PLC0415 - only when used
 
         return plan_cli.main(rest)
+    if args.command == "trainer-restore":
+        from deltarl import drills  # noqa: PLC0415 - only when used
+
+        return drills.trainer_restore_main(rest)
     if args.command == "drill":
         from deltarl import drills  # noqa: PLC0415 - only when used
 

@@ -61,6 +61,7 @@ from deltarl.transport.messages import (
     Ok,
     Pause,
     Reply,
+    RestoreTo,
     Resume,
     Resync,
     Rollback,
@@ -86,6 +87,7 @@ COMMAND_NAMES = (
     "history",
     "versions",
     "deltas",
+    "restore",
 )
 DELTAS_ARGS = {"on": True, "off": False}
 
@@ -139,8 +141,10 @@ def build_command(
     name: str, to_version: int | None, arg: str | None = None, limit: int | None = None
 ) -> Command:
     """The command for NAME; ``arg`` is the positional after it (only ``deltas`` takes one)."""
-    if to_version is not None and name != "rollback":
-        raise TargetError("--to is only meaningful with rollback", "usage")
+    if to_version is not None and name not in ("rollback", "restore"):
+        raise TargetError("--to is only meaningful with rollback and restore", "usage")
+    if name == "restore" and to_version is None:
+        raise TargetError("restore needs --to STEP: the step of the trainer's checkpoint", "usage")
     if limit is not None and name != "versions":
         raise TargetError("--limit is only meaningful with versions", "usage")
     if limit is not None and limit < 1:
@@ -162,6 +166,7 @@ def build_command(
         "shutdown": Shutdown(),
         "history": GetHistory(),
         "versions": GetVersions(limit=limit),
+        "restore": RestoreTo(step=to_version or 0),
     }
     return commands[name]
 
@@ -345,7 +350,8 @@ def _parser() -> argparse.ArgumentParser:
         "--to",
         type=int,
         metavar="VERSION",
-        help="rollback: the version expected back (refused unless it is the one kept)",
+        help="rollback: the version expected back (refused unless it is the one kept); "
+        "restore: the step of the trainer's checkpoint to go back to",
     )
     ap.add_argument("--limit", type=int, metavar="N", help="versions: only the newest N")
     return ap

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from deltarl.config import CONFIG_ENV, ConfigError, config_path, load_config
+from deltarl.config import CONFIG_ENV, ConfigError, config_path, load, load_config
 from deltarl.ctl_status import ask_statuses
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import Error, Pause, Resume, Resync, Rollback, Status
@@ -190,3 +190,44 @@ def main(argv: list[str]) -> int:
     else:
         print(f"rollback drill FAILED: {report['error']}")
     return 0 if report["ok"] else 1
+
+
+def trainer_restore_main(argv: list[str]) -> int:
+    """``deltarl trainer-restore --config FILE --step S``: with the trainer stopped, make its
+    checkpoint of step S the one it resumes from, under a version above every one published
+    (``Checkpointer.restore_to``). Run ``deltarl ctl scheduler restore --to S`` first, then
+    start the trainer as usual."""
+    from deltarl.config.rl import RLTrainerConfig  # noqa: PLC0415 - torch only when used
+    from deltarl.engine.weight_store import WeightStore  # noqa: PLC0415
+    from deltarl.trainer.checkpoint import Checkpointer, CheckpointError  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(
+        prog="deltarl trainer-restore", description=trainer_restore_main.__doc__
+    )
+    ap.add_argument("--config", metavar="FILE", help=f"TOML or JSON config (or ${CONFIG_ENV})")
+    ap.add_argument("--name", default="trainer", help="read [daemons.NAME] instead")
+    ap.add_argument("--step", type=int, required=True, help="the checkpoint's step")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load(RLTrainerConfig, args.name, args.config)
+    except ConfigError as e:
+        print(f"deltarl trainer-restore: {e}", file=sys.stderr)
+        return 2
+    published = -1
+    try:
+        with WeightStore.open(cfg.published_store, root=cfg.store_root, readonly=True) as store:
+            published = store.active_version if store.active_version is not None else -1
+    except FileNotFoundError:
+        pass  # no store on this host now (a reboot emptied /dev/shm): the checkpoints decide
+    try:
+        version, moved = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints).restore_to(
+            args.step, published
+        )
+    except CheckpointError as e:
+        print(f"deltarl trainer-restore: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"the trainer resumes from step {args.step} as version {version}"
+        + (f"; {len(moved)} newer checkpoints moved to {moved[0].parent}" if moved else "")
+    )
+    return 0

@@ -197,3 +197,8 @@ def prune(conn: sqlite3.Connection, through: int) -> None:
         "DELETE FROM length_history WHERE id <= (SELECT MAX(id) FROM length_history) - ?",
         (HISTORY_ROWS,),
     )
+
+
+def forget_after(conn: sqlite3.Connection, step: int) -> None:
+    """A restore to ``step`` (deltarl/scheduler/restore.py): the records of later steps go."""
+    conn.execute("DELETE FROM step_lengths WHERE step > ?", (step,))

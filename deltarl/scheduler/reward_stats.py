@@ -109,3 +109,8 @@ def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> None:
 def prune(conn: sqlite3.Connection, through: int) -> None:
     """Retention: the figures go with their step's row."""
     conn.execute("DELETE FROM step_rewards WHERE step <= ?", (through,))
+
+
+def forget_after(conn: sqlite3.Connection, step: int) -> None:
+    """A restore to ``step`` (deltarl/scheduler/restore.py): the records of later steps go."""
+    conn.execute("DELETE FROM step_rewards WHERE step > ?", (step,))

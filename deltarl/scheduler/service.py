@@ -101,6 +101,7 @@ from deltarl.scheduler.policy import (
     WorkRequest,
     make_policy,
 )
+from deltarl.scheduler.restore import RestoreError
 from deltarl.scheduler.reward import RewardFailedError, RewardUnavailableError
 from deltarl.scheduler.reward_scorers import make_reward_scorer
 from deltarl.scheduler.reward_stats import RewardWindow
@@ -109,7 +110,7 @@ from deltarl.scheduler.step_metrics import SchedulerMetrics
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.scheduler.stragglers import StragglerJudge
 from deltarl.transport.control import Handler
-from deltarl.transport.messages import Command, Error, Ok, Reply
+from deltarl.transport.messages import Command, Error, Ok, Reply, RestoreTo
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,22 @@ class SchedulerService(DaemonCore):
     @property
     def paused(self) -> bool:
         return self.gate.paused
+
+    def handlers(self) -> Mapping[type[Command], Handler]:
+        return {RestoreTo: self.on_restore}
+
+    async def on_restore(self, cmd: RestoreTo) -> Reply:
+        """Forget the steps after ``cmd.step`` (deltarl/scheduler/restore.py). Stop the trainer
+        first: it then restarts with ``--restore-step`` from that checkpoint."""
+        try:
+            done = self.store.restore_to(cmd.step)
+        except RestoreError as e:
+            return Error("cannot_restore", str(e))
+        return Ok(
+            f"restored to step {done.step}: {done.steps_forgotten} steps forgotten, "
+            f"{done.requeued} prompts queued again; restart the trainer with "
+            f"--restore-step {done.step}"
+        )
 
     def concurrent_handlers(self) -> Mapping[type[Command], Handler]:
         """Every command of the RL protocol, concurrently: rollout daemons and the trainer

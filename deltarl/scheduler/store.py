@@ -42,6 +42,7 @@ import orjson
 
 from deltarl.scheduler import length_log, reward_stats, token_waste
 from deltarl.scheduler.eval_store import EvalTables
+from deltarl.scheduler.restore import StepRestore
 from deltarl.scheduler.retention import StepRetention
 from deltarl.scheduler.rows import (
     COLUMNS,
@@ -60,7 +61,7 @@ from deltarl.scheduler.rows import (
 logger = logging.getLogger(__name__)
 
 
-class SchedulerStore(EvalTables, StepRetention):
+class SchedulerStore(EvalTables, StepRetention, StepRestore):
     """The scheduler's tables in one sqlite file; one writer process, any number of readers.
 
     Every method is one snapshot or one transaction, safe from several threads (one connection
@@ -104,7 +105,7 @@ class SchedulerStore(EvalTables, StepRetention):
             "UPDATE prompts SET state = 'queued', attempt = attempt + 1, instance = NULL,"
             " session = NULL, lease_deadline = NULL, weight_version = NULL, issued_at = NULL,"
             " pooled_at = NULL, samples_ref = NULL, rewards = NULL, min_version = NULL,"
-            " note = ? WHERE prompt_id = ?",
+            " step = NULL, lag = NULL, note = ? WHERE prompt_id = ?",
             (note, prompt_id),
         )
         cls._release(conn, [ref[0] if ref else None])

@@ -35,6 +35,7 @@ import random
 import re
 import secrets
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,11 @@ class Checkpointer:
             "rng": capture_rng(),
             "extra": extra or {},
         }
+        return self.write_state(step, state)
+
+    def write_state(self, step: int, state: dict[str, Any]) -> Path:
+        """Write a checkpoint's state (``save``'s dict) as the file of ``step``, atomically and
+        durably; then keep the newest ``keep``."""
         final = self.path_of(step)
         tmp = self.directory / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
@@ -208,6 +214,45 @@ class Checkpointer:
         self._prune()
         logger.info("checkpoint of step %d written to %s", step, final)
         return final
+
+    def restore_to(self, step: int, above_version: int) -> tuple[int, list[Path]]:
+        """Make the checkpoint of ``step`` the newest (an operator's restore): the newer ones
+        move into ``discarded-<time>/`` beside them (kept, not deleted), and the checkpoint's
+        version becomes one above every version the run published (``above_version``, and
+        every checkpoint's), so the trainer publishes its weights under a new number: no
+        version number ever names two different weights. Returns (that version, the files
+        moved). CheckpointError if the checkpoint of ``step`` is missing or unsound.
+
+        Crash-safe in order: the rewritten checkpoint first (a crash leaves the newer ones
+        newest, as if nothing happened), then the moves (a crash between them: run it again;
+        the version only goes up)."""
+        path = self.path_of(step)
+        if not path.exists():
+            raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+        state = self.read(path)
+        newest = max(
+            [int(self.read(self.path_of(s))["version"]) for s in self.steps() if s >= step]
+        )
+        version = max(newest, above_version) + 1
+        state["extra"] = {**state.get("extra", {}), "restored_from_version": state["version"]}
+        state["version"] = version
+        self.write_state(step, state)
+        newer = [self.path_of(s) for s in self.steps() if s > step]
+        moved = []
+        if newer:
+            aside = self.directory / f"discarded-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir(exist_ok=True)
+            for p in newer:
+                os.replace(p, aside / p.name)
+                moved.append(aside / p.name)
+            _fsync_dir(self.directory)
+        logger.warning(
+            "checkpoint of step %d restored as version %d (%d newer checkpoints moved aside)",
+            step,
+            version,
+            len(moved),
+        )
+        return version, moved
 
     def _prune(self) -> None:
         for step in self.steps()[: -self.keep]:

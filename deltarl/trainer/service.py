@@ -9,7 +9,8 @@ fp32 (the master weights) and AdamW. Its loop:
     their samples from the scheduler's samples endpoint, checked and decoded
         (deltarl.trainer.shipped; silent endpoint: ask again after ``wait_s``)
     GRPO step (deltarl.trainer.grpo), in the training thread
-    publish the bf16 weights as version ``step`` (deltarl.trainer.publisher)
+    publish the bf16 weights as the next version: ``step``, or above it after a restore
+    (deltarl.trainer.publisher; deltarl/scheduler/restore.py)
     StepDone(step, version, metrics)
     every ``checkpoint_every`` steps: checkpoint, then Checkpointed(step)
 
@@ -18,8 +19,9 @@ pinging the watchdog; being a single thread it also orders the work: a checkpoin
 shutdown runs after the step in flight, never beside it.
 
 Resume (docs/architecture.md, "nothing lost"): the newest sound checkpoint holds the model,
-optimizer, RNG, step s and the data cursor (s + 1). A restarted trainer loads it, republishes
-its weights as version s if the store's active version is another one (a crash after s left
+optimizer, RNG, step s, its version (s, or above after an operator's restore: ``deltarl
+trainer-restore``) and the data cursor (s + 1). A restarted trainer loads it, republishes its
+weights as that version if the store's active version is another one (a crash after s left
 later versions there), tells the scheduler Checkpointed(s) again (idempotent: the crash may
 have come between the file and the message) and asks for step s + 1. The scheduler returns the
 same groups for a step asked again, so steps s + 1 ... retrain bit-identically: no sample is
@@ -260,7 +262,10 @@ class TrainerService(DaemonCore):
                 self.model, self.optimizer, batch, grpo, self.reference, 0, cfg.ranks
             )
         t1 = time.perf_counter()
-        self.publisher.publish(step)
+        # One above the last: equal to the step in a run never restored, above it after an
+        # operator's restore (deltarl/trainer/checkpoint.py: restore_to).
+        version = self.version + 1
+        self.publisher.publish(version)
         t2 = time.perf_counter()
         lags = [item.lag for item in items if item.lag is not None]
         metrics: dict[str, Any] = {
@@ -277,7 +282,7 @@ class TrainerService(DaemonCore):
         metrics_out.TRAIN_LOSS.set(stats.loss)
         metrics_out.TRAIN_GRAD_NORM.set(stats.grad_norm)
         # Set here, not by the awaiting task: a shutdown may cancel it while this runs on.
-        self.step = self.version = step
+        self.step, self.version = step, version
         self.metrics = metrics
         return metrics
 

@@ -43,7 +43,9 @@ logger = logging.getLogger(__name__)
 audit = logging.getLogger("deltarl.audit")  # deltarl/ops/logs.py: AUDIT_LOGGER
 
 DEFAULT_TIMEOUT = 5.0  # seconds a client waits for a reply unless told otherwise
-AUDITED = frozenset({"shutdown", "drain", "rollback", "resync", "pause", "resume", "deltas"})
+AUDITED = frozenset(
+    {"shutdown", "drain", "rollback", "resync", "pause", "resume", "deltas", "restore"}
+)
 """Command tags logged with their sender whenever a server receives them."""
 
 # A handler takes the command instance of the class it is registered for. The mapping from

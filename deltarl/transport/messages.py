@@ -144,6 +144,15 @@ class Rollback(Command):
 
 
 @dataclass(frozen=True)
+class RestoreTo(Command):
+    """The scheduler forgets every step after ``step`` and queues their prompts again, for a
+    trainer restarted from its checkpoint of ``step`` (deltarl/scheduler/restore.py)."""
+
+    TAG: ClassVar[str] = "restore"
+    step: int
+
+
+@dataclass(frozen=True)
 class Shutdown(Command):
     """Stop the daemon cleanly (staged: stop accepting, drain, exit)."""
 
@@ -268,7 +277,7 @@ def decode_table(*classes: type[M]) -> dict[str, type[M]]:
 
 
 COMMANDS: dict[str, type[Command]] = decode_table(
-    GetStatus, Pause, Resume, Drain, Resync, Rollback, Shutdown, GetVersions, SetDeltas
+    GetStatus, Pause, Resume, Drain, Resync, Rollback, Shutdown, GetVersions, SetDeltas, RestoreTo
 )
 REPLIES: dict[str, type[Reply]] = decode_table(Ok, Error, Status, Versions)
 EVENTS: dict[str, type[Event]] = decode_table(VersionPublished, VersionApplied, RefitFailed)

@@ -189,3 +189,28 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None
 
     _assert_same_state(resumed.state_dict(), straight.state_dict())
     _assert_same_state(resumed_opt.state_dict(), straight_opt.state_dict())
+
+
+def test_restore_to_makes_an_older_checkpoint_newest_under_a_new_version(tmp_path: Path) -> None:
+    model, opt = _setup()
+    ck = Checkpointer(tmp_path / "ck", keep=3)
+    for step in (5, 10, 15):
+        _train(model, opt, range(step, step + 1))
+        ck.save(step=step, version=step, model=model, optimizer=opt)
+    kept = ck.read(ck.path_of(5))
+    version, moved = ck.restore_to(5, above_version=17)  # the store had published 17
+    assert version == 18
+    assert [p.name for p in moved] == ["step-000000000010.ckpt", "step-000000000015.ckpt"]
+    assert all(p.is_file() and p.parent.name.startswith("discarded-") for p in moved)
+    assert ck.steps() == [5]
+    found = ck.newest()
+    assert found is not None
+    state = found[1]
+    assert (state["step"], state["version"], state["next_step"]) == (5, 18, 6)
+    assert state["extra"]["restored_from_version"] == 5
+    _assert_same_state(state["model"], kept["model"])  # the weights are step 5's, untouched
+    _assert_same_state(state["optimizer"], kept["optimizer"])
+    # Versions only go up: a second restore (the operator ran it twice) bumps again.
+    assert ck.restore_to(5, above_version=0)[0] == 19
+    with pytest.raises(CheckpointError, match="no checkpoint of step 7"):
+        ck.restore_to(7, above_version=0)
