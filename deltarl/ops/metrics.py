@@ -25,8 +25,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import platform
+import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 
 # No *_created series: they double every counter's series and no rule or panel reads them.
 disable_created_metrics()
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 """The one registry a daemon serves; never the library's global one (it carries Python's own
@@ -131,6 +134,13 @@ EXPORT_WIRE_BYTES = Counter(
 CHANGED_RATIO = Gauge(
     "deltarl_changed_ratio",
     "Export agent: changed elements over all elements of the last version sent as a delta",
+    registry=None,
+)
+GROUP_CHANGED_RATIO = Gauge(
+    "deltarl_group_changed_ratio",
+    "Export agent: changed elements over all elements of the last delta, per group of tensors"
+    " (the tensor name with its layer index as *: model.layers.*.mlp.up_proj.weight)",
+    ["group"],
     registry=None,
 )
 PUBLISHED_VERSION = Gauge(
@@ -282,6 +292,7 @@ OWNED: dict[str, tuple[Collector, ...]] = {
         EXPORT_FAILED,
         EXPORT_WIRE_BYTES,
         CHANGED_RATIO,
+        GROUP_CHANGED_RATIO,
         PUBLISHED_VERSION,
         ACKED_VERSION,
     ),
@@ -309,6 +320,24 @@ OWNED: dict[str, tuple[Collector, ...]] = {
 """Which families each daemon serves. The metric objects exist in every process (the code
 that counts is shared), but a daemon serves only its own: an unlabelled gauge of another
 daemon's would be served as 0 and read as a fact (an "active version 0" from the scheduler)."""
+
+
+def tensor_group(name: str) -> str:
+    """A tensor's group for ``deltarl_group_changed_ratio``: its name with every layer index as
+    ``*`` (a bounded label: a model has a few dozen tensor kinds, however many layers)."""
+    return _LAYER_INDEX.sub(".*.", name)
+
+
+def observe_groups(tensors: Iterable[tuple[str, int, int]]) -> None:
+    """Set the per-group changed ratio from (name, changed, elements) of one delta."""
+    sums: dict[str, list[int]] = {}
+    for name, changed, elements in tensors:
+        acc = sums.setdefault(tensor_group(name), [0, 0])
+        acc[0] += changed
+        acc[1] += elements
+    for group, (changed, elements) in sums.items():
+        if elements:
+            GROUP_CHANGED_RATIO.labels(group).set(changed / elements)
 
 
 def register_daemon(daemon: str) -> Callable[[], None]:

@@ -545,6 +545,9 @@ class ExportCore(DaemonCore):
             metrics.ACKED_VERSION.set(version)
             if kind == "delta" and record.elements:
                 metrics.CHANGED_RATIO.set(record.changed / record.elements)
+                metrics.observe_groups(
+                    (t.name, t.changed, math.prod(t.shape)) for t in manifest.tensors
+                )
         if outcome is not None:
             await self._failed(version, outcome, recorded=recorded)
             return

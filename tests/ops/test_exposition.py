@@ -212,3 +212,21 @@ def test_a_daemon_process_serves_its_runtime_and_a_busy_port_is_a_config_error(
         first.terminate()
         first.wait(60)
     assert first.returncode == 0
+
+
+def test_tensor_groups_are_bounded_and_ratios_are_per_group() -> None:
+    assert metrics.tensor_group("model.layers.11.mlp.up_proj.weight") == (
+        "model.layers.*.mlp.up_proj.weight"
+    )
+    assert metrics.tensor_group("lm_head.weight") == "lm_head.weight"
+    metrics.observe_groups(
+        [
+            ("model.layers.0.mlp.up_proj.weight", 10, 100),
+            ("model.layers.1.mlp.up_proj.weight", 30, 100),
+            ("model.norm.weight", 0, 8),
+        ]
+    )
+    served = metrics.catalogue()
+    name = "deltarl_group_changed_ratio"
+    assert served.get_sample_value(name, {"group": "model.layers.*.mlp.up_proj.weight"}) == 0.2
+    assert served.get_sample_value(name, {"group": "model.norm.weight"}) == 0.0

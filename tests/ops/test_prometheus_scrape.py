@@ -216,6 +216,7 @@ def test_prometheus_scrapes_a_running_pipeline(
             "deltarl_reward_seconds_count",
             'deltarl_instance_healthy{rollout="rollout"}',
             "deltarl_changed_ratio",
+            "count(deltarl_group_changed_ratio)",
         ):
             assert (prom.value(series) or 0) > 0, series
         assert prom.value("deltarl_policy_lag_bound") == 1
