@@ -7,7 +7,9 @@ shows X's options; this module only dispatches and keeps heavy imports out of th
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
 
 BENCHES = ("codec", "refit", "samples", "schedule", "export-cost")
 DAEMONS = {
@@ -20,7 +22,26 @@ DAEMONS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
+ENTRY_POINTS: dict[str, tuple[str, str]] = {
+    **{f"bench {b}": (f"deltarl.bench.{b.replace('-', '_')}", "main") for b in BENCHES},
+    **{d: (f"deltarl.daemons.{d}", "main") for d in DAEMONS},
+    "trainer --synthetic": ("deltarl.daemons.trainer_synthetic", "main"),
+    "ctl": ("deltarl.ctl", "main"),
+    "keys": ("deltarl.transport.curve", "main"),
+    "model": ("deltarl.host_setup", "model_main"),
+    "layout": ("deltarl.host_setup", "layout_main"),
+    "plan": ("deltarl.scheduler.plan_cli", "main"),
+    "doctor": ("deltarl.doctor", "main"),
+    "drill": ("deltarl.drills", "main"),
+    "trainer-restore": ("deltarl.drills", "trainer_restore_main"),
+    "export-dry-run": ("deltarl.refit.dry_run", "main"),
+    "up": ("deltarl.up", "main"),
+    "chaos": ("deltarl.chaos", "main"),
+}
+"""Each command's module and function (``main(argv) -> exit status``)."""
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(
         prog="deltarl", description="asynchronous RL with weight-delta refit"
@@ -60,90 +81,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     for name, what in DAEMONS.items():
         sub.add_parser(name, help=what, add_help=False)
     args, rest = ap.parse_known_args(argv)
-    if args.command == "bench" and args.name == "codec":
-        from deltarl.bench import codec  # noqa: PLC0415 - heavy imports only when used
-
-        return codec.main(rest)
-    if args.command == "bench" and args.name == "refit":
-        from deltarl.bench import refit  # noqa: PLC0415 - heavy imports only when used
-
-        return refit.main(rest)
-    if args.command == "bench" and args.name == "schedule":
-        from deltarl.bench import schedule  # noqa: PLC0415 - heavy imports only when used
-
-        return schedule.main(rest)
-    if args.command == "bench" and args.name == "export-cost":
-        from deltarl.bench import export_cost  # noqa: PLC0415 - heavy imports only when used
-
-        return export_cost.main(rest)
-    if args.command == "bench" and args.name == "samples":
-        from deltarl.bench import samples  # noqa: PLC0415 - heavy imports only when used
-
-        return samples.main(rest)
-    if args.command == "ctl":
-        from deltarl import ctl  # noqa: PLC0415 - heavy imports only when used
-
-        return ctl.main(rest)
-    if args.command == "trainer" and "--synthetic" in rest:
-        from deltarl.daemons import trainer_synthetic  # noqa: PLC0415 - heavy imports
-
-        return trainer_synthetic.main(rest)
-    if args.command == "keys":
-        from deltarl.transport import curve  # noqa: PLC0415 - only when used
-
-        return curve.main(rest)
-    if args.command == "model":
-        from deltarl import host_setup  # noqa: PLC0415 - only when used
-
-        return host_setup.model_main(rest)
-    if args.command == "plan":
-        from deltarl.scheduler import plan_cli  # noqa: PLC0415 - only when used
-
-        return plan_cli.main(rest)
-    if args.command == "trainer-restore":
-        from deltarl import drills  # noqa: PLC0415 - only when used
-
-        return drills.trainer_restore_main(rest)
-    if args.command == "drill":
-        from deltarl import drills  # noqa: PLC0415 - only when used
-
-        return drills.main(rest)
-    if args.command == "doctor":
-        from deltarl import doctor  # noqa: PLC0415 - only when used
-
-        return doctor.main(rest)
-    if args.command == "export-dry-run":
-        from deltarl.refit import dry_run  # noqa: PLC0415 - heavy imports only when used
-
-        return dry_run.main(rest)
-    if args.command == "layout":
-        from deltarl import host_setup  # noqa: PLC0415 - only when used
-
-        return host_setup.layout_main(rest)
-    if args.command == "up":
-        from deltarl import up  # noqa: PLC0415 - heavy imports only when used
-
-        return up.main(rest)
-    if args.command == "chaos":
-        from deltarl import chaos  # noqa: PLC0415 - heavy imports only when used
-
-        return chaos.main(rest)
-    if args.command in ("trainer", "scheduler", "rollout", "reward"):
-        import importlib  # noqa: PLC0415
-
-        daemon = importlib.import_module(f"deltarl.daemons.{args.command}")
-        code: int = daemon.main(rest)
-        return code
-    if args.command == "export":
-        from deltarl.daemons import export  # noqa: PLC0415 - heavy imports only when used
-
-        return export.main(rest)
-    if args.command == "apply":
-        from deltarl.daemons import apply  # noqa: PLC0415 - heavy imports only when used
-
-        return apply.main(rest)
-    ap.error(f"unknown command {args.command}")
-    return 2
+    command = args.command
+    if command == "bench":
+        command = f"bench {args.name}"
+    elif command == "trainer" and "--synthetic" in rest:
+        command = "trainer --synthetic"
+    module, function = ENTRY_POINTS[command]
+    # Imported only when used: the heavy ones (torch, vLLM, numba) stay out of the others.
+    entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), function)
+    return entry(rest)
 
 
 if __name__ == "__main__":
