@@ -16,7 +16,9 @@ fail (with a hint) or skip (with the reason):
                  ``--reward-p99`` seconds (``--reward-requests`` calls)
     lengths      the completion-length histogram of the task, from the scheduler's store
                  (what ``deltarl plan`` builds its buckets from)
-    link         bandwidth and loss between the hosts: not measured by doctor (said so)
+    link         each export agent's stream link: bandwidth on one connection, RTT and the
+                 share of segments TCP retransmitted, measured with the link's own PROBE
+                 messages against the running receiver (fails above 1% retransmitted)
 
 A daemon kind is told by its table's name: ``scheduler``, ``trainer``, ``export``,
 ``apply``, ``rollout`` and ``reward``, alone or with a suffix (``apply-b``, ``rollout-2``).
@@ -47,8 +49,10 @@ from deltarl.ctl_status import ask_statuses
 from deltarl.reward.protocol import REPLIES as REWARD_REPLIES
 from deltarl.reward.protocol import ScoreGroup, Scores
 from deltarl.rl.task import make_task
+from deltarl.transport import link_probe
 from deltarl.transport.control import ControlClient, ControlTimeoutError, request_sync
 from deltarl.transport.curve import KEYS_ENV
+from deltarl.transport.link_config import StreamLinkConfig
 from deltarl.transport.messages import Resync, Status
 
 KINDS: dict[str, tuple[type[DaemonTable], ...]] = {
@@ -61,10 +65,8 @@ KINDS: dict[str, tuple[type[DaemonTable], ...]] = {
 }
 
 
-NO_LINK_CHECK = (
-    "bandwidth and loss between hosts are not measured by doctor yet; deltarl bench refit "
-    "measures refit times over a link"
-)
+NO_LINK_CHECK = "no stream link in the config (an shm link stays on one host)"
+MAX_RETRANS_RATIO = 0.01
 
 
 @dataclass
@@ -307,8 +309,49 @@ def check_lengths(configs: Mapping[str, DaemonTable]) -> Check:
     )
 
 
+def check_links(configs: Mapping[str, DaemonTable], seconds: float) -> Check:
+    """Each export agent's stream link, measured with the link's own PROBE messages."""
+    links = [
+        (n, c.link)
+        for n, c in sorted(configs.items())
+        if isinstance(c, ExportConfig) and isinstance(c.link, StreamLinkConfig)
+    ]
+    if not links:
+        return Check("link", "skip", NO_LINK_CHECK)
+    found, failed = [], []
+    for name, link in links:
+        try:
+            f = asyncio.run(link_probe.probe(link, seconds))
+        except (OSError, TimeoutError, ConnectionError, ValueError) as e:
+            failed.append(f"{name} -> {link.host}:{link.port}: {type(e).__name__}: {e}")
+            continue
+        lossy = f.retrans_ratio is not None and f.retrans_ratio > MAX_RETRANS_RATIO
+        text = (
+            f"{name} -> {f.peer}: {f.mbit_s:.1f} Mbit/s on one connection, RTT "
+            f"{'-' if f.rtt_ms is None else f'{f.rtt_ms:.2f} ms'}, "
+            f"{'-' if f.retrans_ratio is None else f'{f.retrans_ratio:.3%}'} of segments "
+            "retransmitted"
+        )
+        (failed if lossy else found).append(text)
+    if failed:
+        return Check(
+            "link",
+            "fail",
+            "; ".join(failed + found),
+            "is the apply agent running and listening there? a link that loses more than "
+            f"{MAX_RETRANS_RATIO:.0%} of its segments slows every refit: check the network",
+        )
+    return Check("link", "pass", "; ".join(found))
+
+
 def run_checks(
-    path: Path, *, timeout_s: float, exercise: bool, reward_requests: int, reward_p99_s: float
+    path: Path,
+    *,
+    timeout_s: float,
+    exercise: bool,
+    reward_requests: int,
+    reward_p99_s: float,
+    link_seconds: float = 3.0,
 ) -> list[Check]:
     tables = load_config(path).get("daemons", {})
     if not isinstance(tables, dict) or not tables:
@@ -324,7 +367,7 @@ def run_checks(
     steps += [
         ("reward", lambda: check_reward(endpoints, configs, reward_requests, reward_p99_s)),
         ("lengths", lambda: check_lengths(configs)),
-        ("link", lambda: Check("link", "skip", NO_LINK_CHECK)),
+        ("link", lambda: check_links(configs, link_seconds)),
     ]
     for name, step in steps:
         try:
@@ -352,6 +395,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--exercise", action="store_true", help="send a full version and follow it")
     ap.add_argument("--reward-requests", type=int, default=64, help="scoring calls (default 64)")
     ap.add_argument("--reward-p99", type=float, default=1.0, help="target seconds (default 1)")
+    ap.add_argument("--link-seconds", type=float, default=3.0, help="per link (default 3)")
     args = ap.parse_args(argv)
     path = config_path(args.config)
     try:
@@ -363,6 +407,7 @@ def main(argv: list[str]) -> int:
             exercise=args.exercise,
             reward_requests=args.reward_requests,
             reward_p99_s=args.reward_p99,
+            link_seconds=args.link_seconds,
         )
     except ConfigError as e:
         if args.json:

@@ -86,3 +86,22 @@ def test_a_table_that_does_not_load_fails_config(tmp_path: Path) -> None:
     assert checks["config"]["status"] == "fail"
     assert "control must be str" in checks["config"]["detail"]
     assert checks["reachable"]["status"] == "skip"
+
+
+def test_doctor_measures_a_stream_link_with_the_pipeline_running(tmp_path: Path) -> None:
+    pipe = Pipeline(tmp_path, "stream")
+    try:
+        for daemon in ("apply", "export", "trainer"):
+            pipe.start(daemon)
+        pipe.wait("2 versions applied", lambda: pipe.status("apply")["applied"] >= 2)
+        code, report = _doctor(pipe.config, "--link-seconds", "1")
+        link = _by_check(report)["link"]
+        assert code == 0, report
+        assert link["status"] == "pass", link
+        assert link["detail"].startswith("export -> 127.0.0.1:")
+        assert "Mbit/s on one connection" in link["detail"]
+        # The probe delivered nothing: the pipeline goes on applying versions.
+        applied = pipe.status("apply")["applied"]
+        pipe.wait("a version after the probe", lambda: pipe.status("apply")["applied"] > applied)
+    finally:
+        pipe.kill_all()

@@ -10,6 +10,7 @@ Each connection, as the handler sees it (frames in stream_wire.py):
     CHUNK / MANIFEST  first time: queue the item for the consumer (waits while the queue is
                       full, which stops reading, which slows the sender through TCP); then ACK
     QUERY             answer HELD with the chunk ids of that version delivered so far
+    PROBE             throw the bytes away (they were paid for like any payload), PROBE_ACK
 
 Security: with the cluster's keys (``DELTARL_CURVE_KEYS``; ``config.security``), every
 connection is TLS 1.3 and the sender must present a certificate of the cluster's CA; a peer
@@ -59,6 +60,8 @@ from deltarl.transport.stream_wire import (
     MSG_HELD,
     MSG_MANIFEST,
     MSG_MANIFEST_ACK,
+    MSG_PROBE,
+    MSG_PROBE_ACK,
     TO_RECEIVER,
     Header,
     WireError,
@@ -85,6 +88,7 @@ class ReceiverStats:
     delivered: int = 0  # chunks and manifests queued for the consumer
     duplicates: int = 0  # chunks and manifests acknowledged but not queued again
     refused_connections: int = 0  # closed at once: over max_connections(_per_peer)
+    probe_bytes: int = 0  # thrown away for a link measurement (deltarl/transport/link_probe.py)
 
 
 class StreamReceiver(ChunkReceiver):
@@ -266,6 +270,10 @@ class StreamReceiver(ChunkReceiver):
                 self._budget.release(len(payload))
                 self.stats.duplicates += 1
             reply = pack_header(MSG_MANIFEST_ACK, version)
+        elif header.kind == MSG_PROBE:  # nothing is delivered: the bytes were the point
+            self._budget.release(len(payload))
+            self.stats.probe_bytes += len(payload)
+            reply = pack_header(MSG_PROBE_ACK, version, chunk_id)
         else:  # MSG_QUERY: parse_header admits nothing else
             held = pack_ids(self._delivered.chunks(version))
             reply = pack_header(MSG_HELD, version, 0, len(held)) + held

@@ -11,10 +11,12 @@
       CHUNK     0x01  payload: the chunk's bytes (zstd only if that made them smaller)
       MANIFEST  0x02  payload: the manifest's JSON (likewise)
       QUERY     0x03  no payload: "which chunk ids of this version do you hold?"
+      PROBE     0x04  payload: bytes to throw away (``deltarl doctor`` measures the link)
     receiver -> sender
       ACK       0x11  no payload: this chunk is held (delivered, or was already)
       MANIFEST_ACK 0x12  no payload: this version's manifest is held
       HELD      0x13  payload: the ids asked for by a QUERY, ascending, u32 each
+      PROBE_ACK 0x14  no payload: this probe's bytes arrived (and were thrown away)
 
 Each side reads only the types it may receive. A header naming another type, a length over
 the reader's limit, or a payload where there must be none is a protocol error: the reader
@@ -39,15 +41,23 @@ HEADER = struct.Struct("<BQIQ")
 MSG_CHUNK = 0x01
 MSG_MANIFEST = 0x02
 MSG_QUERY = 0x03
+MSG_PROBE = 0x04
 MSG_ACK = 0x11
 MSG_MANIFEST_ACK = 0x12
 MSG_HELD = 0x13
+MSG_PROBE_ACK = 0x14
 FLAG_ZSTD = 0x80
 
-TO_RECEIVER = {MSG_CHUNK: "chunk", MSG_MANIFEST: "manifest", MSG_QUERY: "query"}
+TO_RECEIVER = {
+    MSG_CHUNK: "chunk",
+    MSG_MANIFEST: "manifest",
+    MSG_QUERY: "query",
+    MSG_PROBE: "probe",
+}
 TO_SENDER = {MSG_ACK: "ack", MSG_MANIFEST_ACK: "manifest-ack", MSG_HELD: "held"}
+TO_PROBER = {MSG_PROBE_ACK: "probe-ack"}  # a sender never probes: it accepts none of these
 _COMPRESSIBLE = (MSG_CHUNK, MSG_MANIFEST)
-_EMPTY = (MSG_QUERY, MSG_ACK, MSG_MANIFEST_ACK)
+_EMPTY = (MSG_QUERY, MSG_ACK, MSG_MANIFEST_ACK, MSG_PROBE_ACK)
 _ID = np.dtype("<u4")
 
 
