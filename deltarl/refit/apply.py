@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Mapping
@@ -158,7 +159,7 @@ class ApplyCore(DaemonCore):
         # engine loaded against what the trainer published (not just against this buffer).
         self.digests: dict[int, str] = {}
         # Read at scrape time: whatever moved it (an apply, a rollback), it is never stale.
-        metrics.ACTIVE_VERSION.set_function(lambda: _or_minus_one(self.store.active_version))
+        metrics.ACTIVE_VERSION.set_function(self._active_for_metrics)
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._job_done = asyncio.Event()
@@ -493,6 +494,14 @@ class ApplyCore(DaemonCore):
         logger.warning("version %d not applied: %s", version, reason, extra={"version": version})
         self._changed.set()
         await self.context.publish(RefitFailed(version, reason))
+
+    def _active_for_metrics(self) -> float:
+        """The active version as the gauge reads it: -1 for none, NaN once the store is closed
+        (a scrape between the core's close and the metrics server's)."""
+        try:
+            return _or_minus_one(self.store.active_version)
+        except RuntimeError:
+            return math.nan
 
     def _finish(self, version: int, how: str, base: int | None, slot: int) -> None:
         self.finished[version] = (how, base, slot)

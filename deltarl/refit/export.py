@@ -654,8 +654,12 @@ class ExportCore(DaemonCore):
         )
 
     def _published_version(self) -> float:
-        """The trainer's newest version, as a gauge reads it (-1: none yet)."""
-        version = None if self.store is None else self.store.active_version
+        """The trainer's newest version, as a gauge reads it (-1: none yet; NaN once the store
+        is closed: a scrape between the core's close and the metrics server's)."""
+        try:
+            version = None if self.store is None else self.store.active_version
+        except RuntimeError:
+            return math.nan
         return -1.0 if version is None else float(version)
 
     def status_fields(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import statistics
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 from deltarl.config.refit import ApplyConfig, ExportConfig
 from deltarl.engine.daemon import DaemonContext
 from deltarl.engine.weight_store import WeightStore
+from deltarl.ops import metrics
 from deltarl.refit.apply import ApplyCore
 from deltarl.refit.export import ExportCore, Reference, put_unless_done, resync_period
 from deltarl.refit.manifest_store import ManifestStore, State
@@ -385,5 +387,21 @@ def test_an_older_version_is_not_sent_to_a_restarted_receiver_holding_a_newer_on
             # the trainer's next newer version goes, in full (the reference is gone)
             await p.active(p.publish())
             assert (p.export.recent[-1].kind, p.export.recent[-1].outcome) == ("full", "active")
+
+    asyncio.run(scenario())
+
+
+def test_the_version_gauges_read_nan_once_the_stores_are_closed(tmp_path: Path) -> None:
+    """A scrape between a core's close and the metrics server's must still be served."""
+
+    async def scenario() -> None:
+        async with pair(tmp_path) as p:
+            await p.active(0)
+            served = metrics.catalogue()
+            assert served.get_sample_value("deltarl_active_version") == 0
+            assert served.get_sample_value("deltarl_published_version") == 0
+        served = metrics.catalogue()  # the cores are closed now
+        assert math.isnan(served.get_sample_value("deltarl_active_version") or 0.0)
+        assert math.isnan(served.get_sample_value("deltarl_published_version") or 0.0)
 
     asyncio.run(scenario())
