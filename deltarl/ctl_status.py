@@ -66,20 +66,31 @@ def _alerts(url: str) -> list[dict[str, Any]] | str:
     ]
 
 
-def gather(
-    config: Path | None, timeout: float = 2.0, prometheus: str | None = None
-) -> dict[str, Any]:
-    """The pipeline's state as one JSON-ready object (``--json`` prints it)."""
+def daemon_tables(config: Path | None) -> dict[str, Any]:
+    """The ``[daemons.*]`` tables of ``config`` (``ctl status``, ``doctor`` and ``drill`` read
+    the same); ConfigError when there is no config or it names no daemon."""
     if config is None:
         raise ConfigError(f"no config: use --config FILE or set {CONFIG_ENV}")
     tables = load_config(config).get("daemons", {})
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"config {config}: no [daemons.*] tables")
-    endpoints = {
+    return tables
+
+
+def control_endpoints(tables: Mapping[str, Any]) -> dict[str, str]:
+    """Each daemon's ``control`` endpoint (tables without one are left out)."""
+    return {
         name: t["control"]
         for name, t in tables.items()
         if isinstance(t, dict) and isinstance(t.get("control"), str)
     }
+
+
+def gather(
+    config: Path | None, timeout: float = 2.0, prometheus: str | None = None
+) -> dict[str, Any]:
+    """The pipeline's state as one JSON-ready object (``--json`` prints it)."""
+    endpoints = control_endpoints(daemon_tables(config))
     answers = asyncio.run(ask_statuses(endpoints, timeout))
     daemons: dict[str, dict[str, Any]] = {}
     for name, reply in answers.items():

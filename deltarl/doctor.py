@@ -40,12 +40,13 @@ from typing import Any
 
 import orjson
 
-from deltarl.config import CONFIG_ENV, ConfigError, config_path, load, load_config
+from deltarl.config import CONFIG_ENV, ConfigError, config_path, load
 from deltarl.config.base import DaemonTable
 from deltarl.config.refit import ApplyConfig, ExportConfig, TrainerConfig
 from deltarl.config.reward import RewardConfig
 from deltarl.config.rl import RLTrainerConfig, RolloutConfig, SchedulerConfig
-from deltarl.ctl_status import ask_statuses
+from deltarl.ctl_status import ask_statuses, daemon_tables
+from deltarl.drills import engines_loaded, verified_loads
 from deltarl.reward.protocol import REPLIES as REWARD_REPLIES
 from deltarl.reward.protocol import ScoreGroup, Scores
 from deltarl.rl.task import make_task
@@ -202,7 +203,7 @@ def exercise_refit(
     if not exports or not applies:
         return Check("refit (exercised)", "skip", "needs an export agent and an apply agent")
     before = {n: int(statuses[n].fields.get("applied") or 0) for n in applies}
-    verified = {n: int(statuses[n].fields.get("verified") or 0) for n in rollouts}
+    verified = verified_loads(_fields(statuses, "rollout"))
     started = time.monotonic()
     request_sync(endpoints[exports[0]], Resync(), 5.0)
     deadline = started + timeout_s
@@ -213,11 +214,7 @@ def exercise_refit(
         if len(fields) == len(now):
             applied = all(int(fields[n].get("applied") or 0) > before[n] for n in applies)
             active = {fields[n].get("active_version") for n in applies}
-            loaded = all(
-                int(fields[n].get("verified") or 0) > verified[n]
-                and fields[n].get("weight_version") in active
-                for n in rollouts
-            )
+            loaded = engines_loaded({n: fields[n] for n in rollouts}, active, verified)
             if applied and loaded:
                 took = time.monotonic() - started
                 return Check(
@@ -345,7 +342,7 @@ def check_links(configs: Mapping[str, DaemonTable], seconds: float) -> Check:
 
 
 def run_checks(
-    path: Path,
+    path: Path | None,
     *,
     timeout_s: float,
     exercise: bool,
@@ -353,9 +350,8 @@ def run_checks(
     reward_p99_s: float,
     link_seconds: float = 3.0,
 ) -> list[Check]:
-    tables = load_config(path).get("daemons", {})
-    if not isinstance(tables, dict) or not tables:
-        raise ConfigError(f"config {path}: no [daemons.*] tables")
+    tables = daemon_tables(path)
+    assert path is not None  # daemon_tables refused None
     config, configs = check_config(path, tables)
     # Only the tables that load: a bad one has failed "config", its endpoint is unusable.
     endpoints = {n: c.control for n, c in configs.items()}
@@ -397,12 +393,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reward-p99", type=float, default=1.0, help="target seconds (default 1)")
     ap.add_argument("--link-seconds", type=float, default=3.0, help="per link (default 3)")
     args = ap.parse_args(argv)
-    path = config_path(args.config)
     try:
-        if path is None:
-            raise ConfigError(f"no config: use --config FILE or set {CONFIG_ENV}")  # noqa: TRY301
         checks = run_checks(
-            path,
+            config_path(args.config),
             timeout_s=args.timeout,
             exercise=args.exercise,
             reward_requests=args.reward_requests,

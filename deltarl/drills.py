@@ -22,13 +22,13 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import orjson
 
-from deltarl.config import CONFIG_ENV, ConfigError, config_path, load, load_config
-from deltarl.ctl_status import ask_statuses
+from deltarl.config import CONFIG_ENV, ConfigError, config_path, load
+from deltarl.ctl_status import ask_statuses, control_endpoints, daemon_tables
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import Error, Pause, Resume, Resync, Rollback, Status
 
@@ -74,16 +74,30 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def _engines_on(cluster: Cluster, version: int, verified: Mapping[str, int]) -> bool:
-    engines = cluster.fields("rollout")
+def verified_loads(engines: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """Each rollout engine's count of loads verified against their manifests (its status)."""
+    return {n: int(f.get("verified") or 0) for n, f in engines.items()}
+
+
+def engines_loaded(
+    engines: Mapping[str, Mapping[str, Any]],
+    versions: Collection[int | None],
+    before: Mapping[str, int],
+) -> bool:
+    """Whether every engine holds one of ``versions`` and has verified a load since its
+    ``before`` count (``verified_loads``): a version loaded and proven, not just reported."""
     return all(
-        f.get("weight_version") == version and int(f.get("verified") or 0) > verified[n]
+        f.get("weight_version") in versions and int(f.get("verified") or 0) > before[n]
         for n, f in engines.items()
     )
 
 
+def _engines_on(cluster: Cluster, version: int, verified: Mapping[str, int]) -> bool:
+    return engines_loaded(cluster.fields("rollout"), (version,), verified)
+
+
 def _verified(cluster: Cluster) -> dict[str, int]:
-    return {n: int(f.get("verified") or 0) for n, f in cluster.fields("rollout").items()}
+    return verified_loads(cluster.fields("rollout"))
 
 
 def rollback_drill(cluster: Cluster, timeout_s: float) -> dict[str, Any]:
@@ -161,16 +175,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per stage")
     args = ap.parse_args(argv)
     try:
-        path = config_path(args.config)
-        if path is None:
-            raise ConfigError(f"no config: use --config FILE or set {CONFIG_ENV}")  # noqa: TRY301
-        tables = load_config(path).get("daemons", {})
-        endpoints = {
-            n: t["control"]
-            for n, t in tables.items()
-            if isinstance(t, dict) and isinstance(t.get("control"), str)
-        }
-        cluster = Cluster(endpoints)
+        tables = daemon_tables(config_path(args.config))
+        cluster = Cluster(control_endpoints(tables))
     except (ConfigError, ValueError) as e:
         print(f"deltarl drill: {e}", file=sys.stderr)
         return 2

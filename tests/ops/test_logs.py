@@ -16,6 +16,7 @@ import pytest
 from deltarl.config import ConfigError, load, write_toml
 from deltarl.config.reward import RewardConfig
 from deltarl.ops.logs import JsonFormatter
+from tests.ops.helpers import ctl_json
 
 
 def _failed() -> tuple[type[BaseException], BaseException, TracebackType | None]:
@@ -51,14 +52,7 @@ def test_an_unknown_log_format_is_refused(tmp_path: Path) -> None:
 
 
 def _ctl(config: Path, *args: str) -> dict[str, object]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "deltarl.cli", "ctl", "--config", str(config), *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return dict(orjson.loads(proc.stdout))
+    return ctl_json(config, *args)[1]
 
 
 def test_a_daemon_logs_json_and_audits_operator_commands(tmp_path: Path) -> None:

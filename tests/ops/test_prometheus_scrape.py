@@ -29,6 +29,7 @@ import orjson
 import pytest
 
 from tests.installed import require_vllm
+from tests.ops.helpers import ctl_json
 
 require_vllm()
 
@@ -138,15 +139,9 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[Prom, int]]:
 
 
 def _ctl(config: Path, *args: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "deltarl.cli", "ctl", "--config", str(config), *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return dict(orjson.loads(proc.stdout))
+    code, out = ctl_json(config, *args)
+    assert code == 0, out
+    return out
 
 
 def _applied_when_quiet(config: Path, quiet_s: float = 4.0, timeout_s: float = 180) -> int:
