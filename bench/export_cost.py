@@ -38,6 +38,7 @@ from deltarl.launch import DaemonGroup
 from deltarl.transport.messages import Status
 
 WARMUP_S = 8.0
+_DAEMONS = ("trainer", "export", "apply")
 
 
 def _tables(d: Path, params: int) -> dict[str, Any]:
@@ -106,9 +107,6 @@ def measure(params: int, seconds: float, mode: str) -> tuple[float, int]:
     if v1 <= v0:
         raise RuntimeError(f"{mode}: the trainer made no step in {seconds:g} s")
     return (t1 - t0) / (v1 - v0), sent
-
-
-_DAEMONS = ("trainer", "export", "apply")
 
 
 def _version(group: DaemonGroup) -> int:

@@ -182,12 +182,12 @@ class RolloutService(DaemonCore):
             for group in finished:
                 # Prefill the prefix cache saved: prompt tokens taken from cached blocks
                 # (the version-salted cache of the engine: within one weight version only).
-                self.prompt_tokens += sum(len(x["prompt_token_ids"]) for x in group.samples)
-                self.cached_prompt_tokens += sum(group.cached_tokens)
-                metrics.ROLLOUT_TOKENS.labels("prompt").inc(
-                    sum(len(x["prompt_token_ids"]) for x in group.samples)
-                )
-                metrics.ROLLOUT_TOKENS.labels("prompt_cached").inc(sum(group.cached_tokens))
+                prompt = sum(len(x["prompt_token_ids"]) for x in group.samples)
+                cached = sum(group.cached_tokens)
+                self.prompt_tokens += prompt
+                self.cached_prompt_tokens += cached
+                metrics.ROLLOUT_TOKENS.labels("prompt").inc(prompt)
+                metrics.ROLLOUT_TOKENS.labels("prompt_cached").inc(cached)
             self._rate.append((time.monotonic(), tokens))
             for group in finished:
                 await self._submit(group.group_id, group.samples)

@@ -17,8 +17,9 @@ checkpoint, their samples were already released. ``restore_to(S)``, in one trans
   gone, so their prompts could not be trained again; and when S is above the newest step
   recorded (nothing to forget).
 
-The trainer must restart with ``--restore-step S`` after this (deltarl/trainer/service.py):
-it publishes S's weights under a version number above every one published, so no version
+Then, with the trainer still stopped, ``deltarl trainer-restore --step S`` makes its
+checkpoint of S the newest (``Checkpointer.restore_to``), and the trainer is started: it
+publishes S's weights under a version number above every one published, so no version
 number ever names two different weights (the engines and apply agents key on it).
 """
 

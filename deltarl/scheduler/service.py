@@ -233,15 +233,15 @@ class SchedulerService(DaemonCore):
 
     async def on_restore(self, cmd: RestoreTo) -> Reply:
         """Forget the steps after ``cmd.step`` (deltarl/scheduler/restore.py). Stop the trainer
-        first: it then restarts with ``--restore-step`` from that checkpoint."""
+        first; ``deltarl trainer-restore --step S`` then makes that checkpoint its newest."""
         try:
             done = self.store.restore_to(cmd.step)
         except RestoreError as e:
             return Error("cannot_restore", str(e))
         return Ok(
             f"restored to step {done.step}: {done.steps_forgotten} steps forgotten, "
-            f"{done.requeued} prompts queued again; restart the trainer with "
-            f"--restore-step {done.step}"
+            f"{done.requeued} prompts queued again; now run deltarl trainer-restore "
+            f"--step {done.step}, then start the trainer"
         )
 
     def concurrent_handlers(self) -> Mapping[type[Command], Handler]:
@@ -669,8 +669,9 @@ class SchedulerService(DaemonCore):
         except RewardUnavailableError as e:  # an outage: nothing dropped, nothing counted
             self.metrics.reward_failed()  # against the group, but an operator sees it
             return Error(REWARD_UNAVAILABLE, str(e))  # against the group (reward_client.py)
-        self.reward_window.observe(self.monotonic() - started)
-        self.metrics.reward_scored(self.monotonic() - started)
+        scored_s = self.monotonic() - started
+        self.reward_window.observe(scored_s)
+        self.metrics.reward_scored(scored_s)
         oldest = samples.oldest_version()
         if oldest is None:
             oldest = group.weight_version
