@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from deltarl.transport.control import request_sync
+from deltarl.transport.messages import GetStatus, Status
 from tests.daemons.pipeline import Pipeline, assert_bit_exact
 
 
@@ -58,6 +60,9 @@ def test_a_drill_without_an_apply_agent_fails_and_says_why(tmp_path: Path) -> No
             "ok": False,
             "error": "the drill needs an export agent and an apply agent answering",
         }
-        assert pipe.status("trainer")["stepping"] in (True, False)  # untouched, still up
+        # Refused before it touched anything: the trainer was not paused.
+        status = request_sync(pipe.endpoint("trainer"), GetStatus(), 2.0)
+        assert isinstance(status, Status)
+        assert status.state == "running"
     finally:
         pipe.kill_all()
