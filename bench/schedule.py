@@ -14,7 +14,10 @@ With ``--json``, exactly one JSON object on stdout:
      "speedup_vs_sync": float, "speedup_vs_least_requests": float, "real": null}
 
 M = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait"} (floats), and added to
-the contract: ``wasted_tokens_ratio`` in each M and ``lag`` (the bound, ``--lag``) at the top.
+the contract: ``wasted_tokens_ratio``, ``token_lag_mean`` and ``over_bound_token_ratio`` (the
+trained tokens' mean age in versions, and the share of them more than the bound behind) in each
+M, and at the top ``lag`` (the bound, ``--lag``) and ``lag_rule`` (``--lag-rule``: which token
+of a group its lag is measured from; ``partial`` lets groups go on under new weights).
 ``real``: the same policies on the real rollout daemons (``--real``), the same M for each plus
 ``model_error``; null without ``--real``.
 """
@@ -32,6 +35,7 @@ import orjson
 
 from deltarl.atomic_file import write_atomic
 from deltarl.sim.schedule_model import (
+    LAG_RULES,
     POLICIES,
     CostModel,
     Workload,
@@ -49,9 +53,20 @@ def run(
     train_s: float,
     refit_s: float,
     lag: int = 1,
+    lag_rule: str = "oldest_token",
 ) -> dict[str, Any]:
     figures = {
-        p: run_policy(p, workload, cost, instances, groups_per_step, train_s, refit_s, lag=lag)
+        p: run_policy(
+            p,
+            workload,
+            cost,
+            instances,
+            groups_per_step,
+            train_s,
+            refit_s,
+            lag=lag,
+            lag_rule=lag_rule,
+        )
         for p in POLICIES
     }
     policies = {
@@ -61,6 +76,8 @@ def run(
             "skewness": f.skewness,
             "sorting_wait": f.sorting_wait,
             "wasted_tokens_ratio": f.wasted_tokens_ratio,
+            "token_lag_mean": f.token_lag_mean,
+            "over_bound_token_ratio": f.over_bound_token_ratio,
         }
         for p, f in figures.items()
     }
@@ -73,22 +90,24 @@ def run(
         "speedup_vs_least_requests": ours / figures["least_requests"].throughput_tok_s,
         "real": None,
         "lag": lag,
+        "lag_rule": lag_rule,
     }
 
 
 def render(result: dict[str, Any]) -> str:
     lines = [
         f"workload {result['workload']} on {result['instances']} instances (model), "
-        f"lag bound {result['lag']}"
+        f"lag bound {result['lag']} ({result.get('lag_rule', 'oldest_token')})"
     ]
     lines.append(
         f"  {'policy':<16}{'tokens/s':>12}{'padding':>10}{'skewness':>10}{'sorting wait':>14}"
-        f"{'wasted':>9}"
+        f"{'wasted':>9}{'token lag':>11}{'over bound':>12}"
     )
     for name, m in result["policies"].items():
         lines.append(
             f"  {name:<16}{m['throughput_tok_s']:>12.0f}{m['padding_ratio']:>10.3f}"
             f"{m['skewness']:>10.3f}{m['sorting_wait']:>14.3f}{m['wasted_tokens_ratio']:>9.3f}"
+            f"{m['token_lag_mean']:>11.2f}{m['over_bound_token_ratio']:>12.3f}"
         )
     lines.append(
         f"  deltarl: {result['speedup_vs_sync']:.2f}x sync, "
@@ -130,6 +149,7 @@ def _convergence(args: argparse.Namespace) -> int:
             root=root,
             seed=args.seed,
             eval_every=args.eval_every,
+            lag_rule=args.lag_rule,
         )
     except RuntimeError as e:
         print(f"deltarl bench schedule: {e}", file=sys.stderr)
@@ -143,7 +163,7 @@ def _convergence(args: argparse.Namespace) -> int:
         tail = rewards[-3:]
         evals = ", ".join(f"{e['step']}: {e['accuracy']:.3f}" for e in r["eval"])
         print(
-            f"{label:<16} {r['samples_trained']} samples in {r['wall_s']:.0f} s; reward "
+            f"{label:<24} {r['samples_trained']} samples in {r['wall_s']:.0f} s; reward "
             f"{rewards[0]:.3f} -> {sum(tail) / len(tail):.3f} (last 3)"
             + (f"; held-out {evals}" if evals else "")
         )
@@ -190,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, help="held-out rounds every K steps (convergence)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=1, help="max_policy_lag_steps (default 1)")
+    ap.add_argument(
+        "--lag-rule",
+        choices=LAG_RULES,
+        default="oldest_token",
+        help="which token of a group its lag is measured from (default oldest_token; partial: "
+        "groups go on under new weights)",
+    )
     args = ap.parse_args(argv)
     if min(args.prompts, args.n, args.instances, args.groups_per_step) < 1:
         ap.error("--prompts, --n, --instances and --groups-per-step must be at least 1")
@@ -227,7 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     result = run(
-        workload, cost, args.instances, args.groups_per_step, args.train_s, args.refit_s, args.lag
+        workload,
+        cost,
+        args.instances,
+        args.groups_per_step,
+        args.train_s,
+        args.refit_s,
+        args.lag,
+        args.lag_rule,
     )
     if args.real:
         from deltarl.bench.schedule_real import run_real  # noqa: PLC0415 - only when used
@@ -236,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deltarl bench schedule: real runs in {root}", file=sys.stderr, flush=True)
         try:
             result["real"] = run_real(
-                root, cost, steps=args.real_steps, rollouts=args.real_rollouts, lag=args.lag
+                root,
+                cost,
+                steps=args.real_steps,
+                rollouts=args.real_rollouts,
+                lag=args.lag,
+                lag_rule=args.lag_rule,
             )
         except RuntimeError as e:
             print(f"deltarl bench schedule: {e}", file=sys.stderr)

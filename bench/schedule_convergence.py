@@ -5,7 +5,9 @@ number of trained samples (``--convergence-steps`` steps of the model's groups) 
 times with ``deltarl up``: ``sync`` (the synchronous loop), and ``deltarl`` at lag bound 1 and
 at lag bound 3. Their reward curves (and held-out accuracy, where the task has a split and
 ``--eval-every`` asks for it) are drawn side by side in one PNG, with each run's wall time:
-the same samples, in how much time, to what reward.
+the same samples, in how much time, to what reward. ``--lag-rule partial`` runs the two
+``deltarl`` loops under that lag rule (groups go on under new weights; deltarl/scheduler/
+token_lag.py), each run reporting its trained tokens' age beside its waste.
 """
 
 from __future__ import annotations
@@ -21,21 +23,31 @@ from deltarl.scheduler.store import SchedulerStore
 RUNS = (("sync", 0), ("deltarl", 1), ("deltarl", 3))
 
 
-def _label(policy: str, lag: int) -> str:
-    return "sync" if policy == "sync" else f"deltarl, lag {lag}"
+def _label(policy: str, lag: int, lag_rule: str = "oldest_token") -> str:
+    if policy == "sync":
+        return "sync"
+    return f"deltarl, lag {lag}" + (", partial" if lag_rule == "partial" else "")
 
 
 def run_convergence(
-    out: Path, *, model: str, steps: int, root: Path, seed: int, eval_every: int | None
+    out: Path,
+    *,
+    model: str,
+    steps: int,
+    root: Path,
+    seed: int,
+    eval_every: int | None,
+    lag_rule: str = "oldest_token",
 ) -> dict[str, Any]:
     """Run the three loops (module docstring), draw ``out``; the figures of each run."""
     runs: dict[str, Any] = {}
     for policy, lag in RUNS:
-        label = _label(policy, lag)
+        label = _label(policy, lag, lag_rule)
         workdir = root / label.replace(", ", "-").replace(" ", "")
         args = [
             "--model", model, "--steps", str(steps), "--policy", policy,
             "--max-policy-lag", str(lag), "--seed", str(seed), "--workdir", str(workdir),
+            "--lag-rule", lag_rule,
         ]  # fmt: skip
         if eval_every:
             args += ["--eval-every", str(eval_every)]
@@ -54,6 +66,9 @@ def run_convergence(
                 if e.get("accuracy") is not None
             ],
             "wasted_tokens_ratio": summary.get("wasted_tokens_ratio"),
+            "lag_rule": summary.get("lag_rule"),
+            "token_lag_mean": summary.get("token_lag_mean"),
+            "over_bound_token_ratio": summary.get("over_bound_token_ratio"),
         }
     _draw(out, runs, model)
     return runs

@@ -67,7 +67,15 @@ def _store(workdir: Path) -> tuple[float, Workload]:
     return throughput, workload
 
 
-def run_real(root: Path, cost: CostModel, *, steps: int, rollouts: int, lag: int) -> dict[str, Any]:
+def run_real(
+    root: Path,
+    cost: CostModel,
+    *,
+    steps: int,
+    rollouts: int,
+    lag: int,
+    lag_rule: str = "oldest_token",
+) -> dict[str, Any]:
     """``R`` of the bench's JSON: the policies on the real daemons, with the model's error."""
     policies: dict[str, dict[str, float]] = {}
     predicted: dict[str, float] = {}
@@ -77,6 +85,7 @@ def run_real(root: Path, cost: CostModel, *, steps: int, rollouts: int, lag: int
             f"--policy {policy}",
             "--model", "tiny", "--steps", str(steps), "--rollouts", str(rollouts),
             "--policy", policy, "--max-policy-lag", str(lag), "--workdir", str(workdir),
+            "--lag-rule", lag_rule,
         )  # fmt: skip
         real, trace = _store(workdir)
         times = summary.get("step_time") or {}
@@ -89,6 +98,7 @@ def run_real(root: Path, cost: CostModel, *, steps: int, rollouts: int, lag: int
             float(times.get("train_s") or 0.0) + float(times.get("publish_s") or 0.0),
             float(summary.get("refit_median_s") or 0.0),
             lag=lag,
+            lag_rule=lag_rule,
         )
         predicted[policy] = model.throughput_tok_s
         policies[policy] = {
@@ -97,6 +107,8 @@ def run_real(root: Path, cost: CostModel, *, steps: int, rollouts: int, lag: int
             "skewness": float(summary.get("skewness") or 1.0),
             "sorting_wait": float(summary.get("sorting_wait_median") or 0.0),
             "wasted_tokens_ratio": float(summary.get("wasted_tokens_ratio") or 0.0),
+            "token_lag_mean": float(summary.get("token_lag_mean") or 0.0),
+            "over_bound_token_ratio": float(summary.get("over_bound_token_ratio") or 0.0),
         }
     ours = policies["deltarl"]["throughput_tok_s"]
     return {

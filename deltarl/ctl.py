@@ -210,8 +210,10 @@ def _cell(value: Any, digits: int = 3) -> str:  # noqa: ANN401 - a JSON value
 def format_history(history: History) -> str:
     """One line per step: version, reward (the feedback signal), samples, lag, timings, the
     reward service's P99, the share of generated tokens wasted (dropped stale since the
-    previous step), the sorting wait (pool wait over generation time), the length prediction
-    error (with a plan) and the held-out accuracy; a line of the held-out rounds, if any."""
+    previous step), the trained tokens' mean age in versions and the share of them over the
+    lag bound (``token_lag``), the sorting wait (pool wait over generation time), the length
+    prediction error (with a plan) and the held-out accuracy; a line of the held-out rounds,
+    if any."""
     header = (
         "step",
         "trainer v",
@@ -226,6 +228,8 @@ def format_history(history: History) -> str:
         "step s",
         "reward p99 s",
         "wasted",
+        "tok lag",
+        "over bound",
         "sort wait",
         "len err",
         "eval acc",
@@ -250,6 +254,8 @@ def format_history(history: History) -> str:
                 _cell(step_s),
                 _cell(s.get("reward_p99_s"), 4),
                 _cell(s.get("wasted_ratio")),
+                _cell(s.get("token_lag_mean"), 2),
+                _cell(s.get("over_bound_token_ratio")),
                 _cell(s.get("sorting_wait")),
                 _cell(s.get("length_error")),
                 _cell(s.get("eval_accuracy")),

@@ -31,7 +31,10 @@ Added to the object: ``counters`` (every drop, requeue and lag action with its r
 ``eval_curve`` (every held-out round), ``reward_curve`` (the mean reward of every step),
 ``step_time`` (where a step's time goes: wall, train, publish, wait for samples, a group's
 generation and scoring, refit; medians), ``rollouts`` and ``engines`` (per rollout daemon:
-versions applied, refit median, bit-exact, groups and tokens generated).
+versions applied, refit median, bit-exact, groups and tokens generated), ``lag_rule``
+(``--lag-rule``: which token of a group its lag is measured from), ``token_lag_mean`` and
+``over_bound_token_ratio`` (the trained tokens' mean age in versions and the share of them
+over the bound, token-weighted over the run: ``deltarl/scheduler/token_lag.py``).
 
 ``--trainer-ranks M`` runs the trainer as M data-parallel ranks (``trainer_ranks`` in the
 object). ``--rollouts N`` runs N rollout daemons (``rollout``, ``rollout-2`` ...), each its own vLLM
@@ -135,6 +138,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "pool_capacity": 4 * args.groups_per_step,
             "max_policy_lag_steps": args.max_policy_lag,
             "on_lag_exceeded": args.on_lag_exceeded,
+            "lag_rule": args.lag_rule,
             "policy": args.policy,
             **({"plan": str(args.plan.resolve())} if args.plan is not None else {}),
             "seed": args.seed,
@@ -251,6 +255,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="max_policy_lag_steps of the scheduler (default 1)",
     )
     ap.add_argument("--on-lag-exceeded", choices=("throttle", "drop", "sync"), default="throttle")
+    ap.add_argument(
+        "--lag-rule",
+        choices=("oldest_token", "partial"),
+        default="oldest_token",
+        help="which token a group's lag is measured from (default oldest_token; partial: "
+        "groups go on under new weights, a partial rollout)",
+    )
     ap.add_argument(
         "--policy",
         choices=("fifo", "least_requests", "sync", "deltarl"),

@@ -180,6 +180,10 @@ def summarise(run: Run) -> dict[str, Any]:
         # for training: the run's share, and each step's.
         "wasted_tokens_ratio": _wasted_ratio(rows),
         "wasted_curve": [{"step": int(r["step"]), "ratio": r.get("wasted_ratio")} for r in rows],
+        # What partial rollouts cost instead (lag_rule): the trained tokens' mean age in
+        # versions, and the share of them more than the bound behind, over the run.
+        "token_lag_mean": _token_lag(rows)[0],
+        "over_bound_token_ratio": _token_lag(rows)[1],
         # Per step: the lag and the bubbles, as recorded (what the curves PNG draws).
         "step_curve": [
             {
@@ -188,6 +192,8 @@ def summarise(run: Run) -> dict[str, Any]:
                 "padding_ratio": (r.get("metrics") or {}).get("padding_ratio"),
                 "sorting_wait": r.get("sorting_wait"),
                 "wasted_ratio": r.get("wasted_ratio"),
+                "token_lag_mean": r.get("token_lag_mean"),
+                "over_bound_token_ratio": r.get("over_bound_token_ratio"),
             }
             for r in rows
         ],
@@ -213,6 +219,7 @@ def summarise(run: Run) -> dict[str, Any]:
             digits=4,
         ),
         "policy": str(history.config.get("policy", "fifo")),
+        "lag_rule": str(history.config.get("lag_rule", "oldest_token")),
         "trainer_ranks": int((run.status("trainer") or {}).get("ranks") or 1),
         "engines": [
             {
@@ -276,6 +283,22 @@ def _skewness(busy: list[float]) -> float | None:
     return None if mean <= 0 else round(max(busy) / mean, 4)
 
 
+def _token_lag(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """The run's token-weighted mean lag and over-bound share (steps without versions noted
+    are left out; None if none has them)."""
+    counted = [r for r in rows if r.get("token_lag_mean") is not None]
+    weights = [float(r.get("trained_tokens") or 0) for r in counted]
+    total = sum(weights)
+    if not counted or total <= 0:
+        return None, None
+    mean = sum(float(r["token_lag_mean"]) * w for r, w in zip(counted, weights, strict=True))
+    over = sum(
+        float(r.get("over_bound_token_ratio") or 0.0) * w
+        for r, w in zip(counted, weights, strict=True)
+    )
+    return mean / total, over / total
+
+
 def _wasted_ratio(rows: list[dict[str, Any]]) -> float | None:
     """Wasted / (wasted + trained) completion tokens over the run's steps; None if no step
     recorded tokens (a scheduler store of an older deltarl)."""
@@ -283,6 +306,20 @@ def _wasted_ratio(rows: list[dict[str, Any]]) -> float | None:
     trained = sum(int(r["trained_tokens"]) for r in counted)
     wasted = sum(int(r["wasted_tokens"]) for r in counted)
     return None if trained + wasted == 0 else round(wasted / (trained + wasted), 6)
+
+
+def _lag_token(s: dict[str, Any]) -> str:
+    return "newest" if s.get("lag_rule") == "partial" else "oldest"
+
+
+def _token_age_line(s: dict[str, Any]) -> str:
+    mean, over = s.get("token_lag_mean"), s.get("over_bound_token_ratio")
+    if mean is None or over is None:
+        return "not recorded"
+    return (
+        f"trained tokens {mean:.2f} versions behind the trainer on average, {over:.1%} of them "
+        f"over the bound (lag rule {s.get('lag_rule', 'oldest_token')})"
+    )
 
 
 def _wasted_line(ratio: float | None) -> str:
@@ -385,7 +422,8 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"{s['reward_last']:.3f} (last 3): {rise:+.3f}",
         f"  samples trained   {s['samples_trained']} (trained twice: {s['duplicate_samples']})",
         f"  policy lag        at most {s['max_policy_lag']} steps (trainer version minus a "
-        "sample's oldest token version)",
+        f"group's {_lag_token(s)} token version)",
+        f"  token age         {_token_age_line(s)}",
         f"  weight refits     {len(versions)} versions loaded into the engine ({shown})",
         *_engine_lines(s),
         f"  refit time        median {s['refit_median_s']:.3f} s, export pick-up to engine",

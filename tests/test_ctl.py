@@ -234,7 +234,14 @@ def test_history_table_shows_reward_latency_and_held_out_rounds() -> None:
     from deltarl.rl.protocol import History  # noqa: PLC0415 - only this test needs it
 
     steps = [
-        {"step": 1, "version": 1, "reward_mean": 0.25, "reward_p99_s": 0.0123},
+        {
+            "step": 1,
+            "version": 1,
+            "reward_mean": 0.25,
+            "reward_p99_s": 0.0123,
+            "token_lag_mean": 1.625,
+            "over_bound_token_ratio": 0.375,
+        },
         {"step": 5, "version": 5, "reward_mean": 0.5, "eval_accuracy": 0.0546875},
     ]
     evals = [
@@ -245,6 +252,10 @@ def test_history_table_shows_reward_latency_and_held_out_rounds() -> None:
     assert "reward p99 s" in lines[0]
     assert "eval acc" in lines[0]
     assert "0.0123" in lines[1]
+    assert "tok lag" in lines[0]
+    assert "over bound" in lines[0]
+    assert "1.62" in lines[1].split()
+    assert "0.375" in lines[1].split()
     assert "0.055" in lines[2]
     assert lines[3] == "held-out eval: step 0 0.055 (v0), step 5 0.062 (v5-6, running)"
     assert lines[4] == "drops: none"

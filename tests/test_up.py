@@ -126,6 +126,13 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert [w["step"] for w in result["wasted_curve"]] == list(range(1, steps + 1))
     assert all(0 <= w["ratio"] < 1 for w in result["wasted_curve"])
     assert "wasted tokens     " in proc.stderr
+    # the strict lag rule (the default): no trained token is over the bound, and the
+    # tokens' age is measured from the versions the engine recorded per token
+    assert result["lag_rule"] == "oldest_token"
+    assert result["over_bound_token_ratio"] == 0
+    assert 0 <= result["token_lag_mean"] <= 1
+    assert all(s["over_bound_token_ratio"] == 0 for s in result["step_curve"])
+    assert "token age         trained tokens" in proc.stderr
     assert 0 <= result["padding_ratio_median"] < 1
     assert result["skewness"] == 1.0  # one engine
     assert result["policy"] == "fifo"

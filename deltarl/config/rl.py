@@ -155,6 +155,7 @@ class RLTrainerConfig(DaemonTable):
 
 
 LagAction = Literal["throttle", "drop", "sync"]
+LagRule = Literal["oldest_token", "partial"]
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,12 @@ class SchedulerConfig(DaemonTable):
     trainer than this, measured when the batch is shipped."""
     on_lag_exceeded: LagAction = "throttle"
     """What keeps the lag in bound besides dropping stale groups at ship time (service docs)."""
+    lag_rule: LagRule = "oldest_token"
+    """Which token of a group its lag is measured from (deltarl/scheduler/token_lag.py):
+    ``oldest_token`` bounds every trained token, and a group that outlives the bound is wasted;
+    ``partial`` lets a group that lives through refits go on under the new weights (a partial
+    rollout, each token's importance ratio against the version that sampled it) and bounds its
+    newest token: nothing in flight is wasted, and the age of its old tokens is recorded."""
     heartbeat_timeout_s: float = 15.0
     """An instance silent this long is removed and its groups are queued again."""
     not_held_grace_s: float = 5.0

@@ -196,6 +196,17 @@ LENGTH_ERROR = Gauge(
     "Scheduler: mean relative error of the predicted output lengths in the last step",
     registry=None,
 )
+TOKEN_LAG = Gauge(
+    "deltarl_token_lag",
+    "Scheduler: the last step's trained tokens' mean age, in versions behind the trainer",
+    registry=None,
+)
+OVER_BOUND_TOKENS = Gauge(
+    "deltarl_over_bound_token_ratio",
+    "Scheduler: the share of the last step's trained tokens more than the lag bound behind"
+    " (0 under lag_rule oldest_token; partial rollouts under partial)",
+    registry=None,
+)
 SAMPLES = Counter(
     "deltarl_samples",
     "Scheduler: samples shipped to the trainer",
@@ -305,6 +316,8 @@ OWNED: dict[str, tuple[Collector, ...]] = {
         SKEWNESS,
         SORTING_WAIT,
         LENGTH_ERROR,
+        TOKEN_LAG,
+        OVER_BOUND_TOKENS,
         SAMPLES,
         TOKENS,
         REWARD_MEAN,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deltarl.scheduler import length_log, reward_stats, token_waste
+from deltarl.scheduler import length_log, reward_stats, token_lag, token_waste
 from deltarl.scheduler.blob_table import BlobTable
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class StepRestore(BlobTable):
             ).fetchall()
             pooled = [(p, a) for p, a, s in rows if s == "pooled"]
             token_waste.wasted(conn, token_waste.take(conn, pooled), len(pooled))
+            token_lag.discard(conn, pooled)
             for prompt_id, _, _ in rows:
                 # Its step and lag go too (a shipped or trained one had them).
                 self._requeue(conn, prompt_id, "restore")  # type: ignore[attr-defined]
@@ -77,6 +78,7 @@ class StepRestore(BlobTable):
             forgotten = conn.execute("DELETE FROM steps WHERE step > ?", (step,)).rowcount
             reward_stats.forget_after(conn, step)
             token_waste.forget_after(conn, step)
+            token_lag.forget_after(conn, step)
             length_log.forget_after(conn, step)
             conn.execute("DELETE FROM eval_groups WHERE step > ?", (step,))
             conn.execute("DELETE FROM eval_rounds WHERE step > ?", (step,))

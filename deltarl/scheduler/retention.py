@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from deltarl.scheduler import length_log, reward_stats, token_waste
+from deltarl.scheduler import length_log, reward_stats, token_lag, token_waste
 from deltarl.scheduler.blob_table import BlobTable
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class StepRetention(BlobTable):
             conn.execute("DELETE FROM steps WHERE step <= ?", (last,))
             reward_stats.prune(conn, last)
             token_waste.prune(conn, last)
+            token_lag.prune(conn, last)
             length_log.prune(conn, last)
             conn.execute(
                 "INSERT INTO meta VALUES ('pruned_through', ?)"

@@ -25,9 +25,11 @@ the same batch). See the store's docstring for a prompt's life and why none is t
 or skipped.
 
 The lag bound (``max_policy_lag_steps``, measured at ship time: trainer version minus the
-group's oldest token version, time in the pool included) is hard under every policy: a pooled
-group over it is dropped and its prompt queued again (``dropped_groups.lag_exceeded``), never
-shipped. ``on_lag_exceeded`` says what the scheduler does *before* that, at ``GetWork``:
+group's oldest token version, time in the pool included; its newest under ``lag_rule =
+"partial"``, where groups go on under new weights: ``token_lag``) is hard under every policy:
+a pooled group over it is dropped and its prompt queued again
+(``dropped_groups.lag_exceeded``), never shipped. ``on_lag_exceeded`` says what the
+scheduler does *before* that, at ``GetWork``:
 
 - ``throttle``: issue nothing that is predicted to arrive over the bound. The prediction: the
   k-th group issued now (from 0) lands in the batch (pooled + issued + k) // groups_per_step
@@ -89,6 +91,7 @@ from deltarl.rl.protocol import (
 from deltarl.rl.samples import Group as SampleGroup
 from deltarl.rl.samples import SampleError, decode_group, sample_count
 from deltarl.rl.task import Task, make_task, mix64
+from deltarl.scheduler import token_lag
 from deltarl.scheduler.evaluation import Evaluation, is_eval_group
 from deltarl.scheduler.length_log import LengthNote
 from deltarl.scheduler.length_predictor import prompt_key
@@ -348,6 +351,8 @@ class SchedulerService(DaemonCore):
         behind the trainer: group id -> tokens so far. Their lag only grows until they ship,
         where they would be dropped; stopping them now saves what they would still generate."""
         tv, bound = self.trainer_version, self.config.max_policy_lag_steps
+        if self.config.lag_rule == "partial":
+            return {}  # a group goes on under the new weights; its newest token is current
         if tv is None or not isinstance(cmd.progress, dict):
             return {}
         out: dict[str, int] = {}
@@ -679,8 +684,9 @@ class SchedulerService(DaemonCore):
             oldest = self.trainer_version
         tokens = sum(len(s.token_ids) for s in samples.samples)
         lengths = self._length_note(group, prompt, samples)
+        versions = token_lag.versions_of(samples.samples)
         if not self.store.pool(
-            group.prompt_id, group.attempt, blob, rewards, oldest, tokens, lengths
+            group.prompt_id, group.attempt, blob, rewards, oldest, tokens, lengths, versions
         ):
             # Requeued while it was being scored (its lease ran out): the new attempt will be
             # pooled instead, so these samples are counted as dropped, not pooled twice.
@@ -732,6 +738,7 @@ class SchedulerService(DaemonCore):
             cfg.max_policy_lag_steps,
             reward=self.reward_window.figures(),
             throughput={i.name: i.tokens_per_s for i in self.instances.values()},
+            lag_rule=cfg.lag_rule,
         )
         if result.groups and not result.replayed:  # recorded with this new step
             self.reward_window.reset()

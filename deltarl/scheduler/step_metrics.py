@@ -59,6 +59,8 @@ class SchedulerMetrics:
             (metrics.POLICY_LAG, "lag_max"),
             (metrics.SORTING_WAIT, "sorting_wait"),
             (metrics.LENGTH_ERROR, "length_error"),
+            (metrics.TOKEN_LAG, "token_lag_mean"),
+            (metrics.OVER_BOUND_TOKENS, "over_bound_token_ratio"),
         ):
             value = row.get(key)
             if value is not None:

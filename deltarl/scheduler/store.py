@@ -40,7 +40,8 @@ from typing import Any
 
 import orjson
 
-from deltarl.scheduler import length_log, reward_stats, token_waste
+from deltarl.config.rl import LagRule
+from deltarl.scheduler import length_log, reward_stats, token_lag, token_waste
 from deltarl.scheduler.eval_store import EvalTables
 from deltarl.scheduler.restore import StepRestore
 from deltarl.scheduler.retention import StepRetention
@@ -171,6 +172,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
             rows = [dict(zip(names, r, strict=True)) for r in cur]
             reward_stats.attach(conn, rows)
             token_waste.attach(conn, rows)
+            token_lag.attach(conn, rows)
             length_log.attach(conn, rows)
         for row in rows:
             row["metrics"] = orjson.loads(row["metrics"]) if row["metrics"] else {}
@@ -347,11 +349,13 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
         min_version: int | None,
         tokens: int = 0,
         lengths: length_log.LengthNote | None = None,
+        versions: Mapping[int, int] | None = None,
     ) -> bool:
         """Issued -> pooled, with its samples' blob (digest, bytes: kept again if it was swept
         meanwhile), their rewards and completion ``tokens`` (``token_waste``) and ``lengths``
-        (``length_log``'s history). False if this attempt is not issued now (requeued
-        meanwhile): nothing is written, and the caller counts the drop."""
+        (``length_log``'s history) and tokens per ``versions`` (``token_lag``). False if this
+        attempt is not issued now (requeued meanwhile): nothing is written, and the caller
+        counts the drop."""
         digest, data = blob
         with self._lock, self._write() as conn:
             updated = conn.execute(
@@ -372,6 +376,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
                 if kept is None:
                     self._put(conn, digest, data)
                 token_waste.note(conn, prompt_id, attempt, tokens)
+                token_lag.note(conn, prompt_id, attempt, versions or {})
                 if lengths is not None:
                     length_log.note(conn, prompt_id, attempt, lengths, self.clock())
                 self._bump(conn, "pooled_groups")
@@ -490,6 +495,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
         max_lag: int,
         reward: Mapping[str, Any] | None = None,
         throughput: Mapping[str, float] | None = None,
+        lag_rule: LagRule = "oldest_token",
     ) -> ShipResult:
         """The groups of ``step``: the same ones again if it was shipped (exact replay), else
         the oldest ``groups`` pooled ones within the lag bound, all or none. ``reward``: the
@@ -497,8 +503,10 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
         are the live instances' ``throughput`` (tokens/s) and its groups' length prediction
         errors (``length_log``).
 
-        Lag = ``trainer_version`` - the group's oldest token version, measured now, so time in
-        the pool counts. A pooled group over ``max_lag`` can only get staler: it is dropped
+        Lag = ``trainer_version`` - the group's oldest token version (``lag_rule`` =
+        ``oldest_token``) or its newest (``partial``: ``token_lag``; the oldest where an older
+        deltarl noted no versions), measured now, so time in the pool counts. A pooled group
+        over ``max_lag`` can only get staler: it is dropped
         (``dropped_groups.lag_exceeded``) and its prompt queued again, in this transaction,
         whether or not the step can be filled.
         """
@@ -525,7 +533,11 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
             fresh: list[tuple[Group, int]] = []
             stale: list[Group] = []
             for g in pooled:
-                lag = trainer_version - (g.min_version if g.min_version is not None else 0)
+                measured = g.min_version
+                if lag_rule == "partial":
+                    newest = token_lag.newest(conn, g.prompt_id, g.attempt)
+                    measured = newest if newest is not None else measured
+                lag = trainer_version - (measured if measured is not None else 0)
                 if lag > max_lag:
                     stale.append(g)
                     self._drop(conn, g, "lag_exceeded", g.samples, failure=False, max_failures=0)
@@ -533,6 +545,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
                     fresh.append((g, max(lag, 0)))
             stale_tokens = token_waste.take(conn, ((g.prompt_id, g.attempt) for g in stale))
             token_waste.wasted(conn, stale_tokens, len(stale))
+            token_lag.discard(conn, ((g.prompt_id, g.attempt) for g in stale))
             if len(fresh) < groups:
                 return ShipResult([], False, stale)
             taken = fresh[:groups]
@@ -572,9 +585,9 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
             token_waste.record(
                 conn, step, token_waste.take(conn, ((g.prompt_id, g.attempt) for g, _ in taken))
             )
-            length_log.record(
-                conn, step, [(g.prompt_id, g.attempt) for g, _ in taken], throughput or {}
-            )
+            ids = [(g.prompt_id, g.attempt) for g, _ in taken]
+            length_log.record(conn, step, ids, throughput or {})
+            token_lag.record(conn, step, trainer_version, max_lag, ids)
             self._bump(conn, "shipped_groups", len(taken))
             self._bump(conn, "shipped_samples", len(rewards))
             conn.execute(

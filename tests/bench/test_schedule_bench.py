@@ -15,7 +15,15 @@ import pytest
 
 from deltarl.sim.schedule_model import CostModel, PromptGroup, Workload, run_policy
 
-METRICS = {"throughput_tok_s", "padding_ratio", "skewness", "sorting_wait", "wasted_tokens_ratio"}
+METRICS = {
+    "throughput_tok_s",
+    "padding_ratio",
+    "skewness",
+    "sorting_wait",
+    "wasted_tokens_ratio",
+    "token_lag_mean",
+    "over_bound_token_ratio",
+}
 
 
 def _bench(*args: str) -> tuple[int, dict[str, Any] | None, str]:
@@ -42,11 +50,13 @@ def test_the_json_contract_and_the_synchronous_loop_is_slowest() -> None:
         "speedup_vs_least_requests",
         "real",
         "lag",
+        "lag_rule",
         "cost_model",
         "calibrated",
     }
     assert result["calibrated"] is False  # no --cost, no --calibrate: the default cost model
     assert result["instances"] == 8
+    assert result["lag_rule"] == "oldest_token"
     assert result["real"] is None  # the real-engine half is not built
     assert set(result["policies"]) == {"sync", "least_requests", "deltarl"}
     for m in result["policies"].values():
@@ -55,6 +65,7 @@ def test_the_json_contract_and_the_synchronous_loop_is_slowest() -> None:
         assert m["throughput_tok_s"] > 0
         assert 0 <= m["padding_ratio"] < 1
         assert m["skewness"] >= 1
+        assert m["over_bound_token_ratio"] == 0  # the strict rule: every trained token in bound
     p = result["policies"]
     assert p["sync"]["throughput_tok_s"] < p["least_requests"]["throughput_tok_s"]
     assert result["speedup_vs_sync"] > 1
@@ -112,6 +123,41 @@ def test_a_group_that_falls_behind_the_lag_bound_is_stopped_and_its_tokens_waste
     assert 0 < f.wasted_tokens_ratio < 0.5
     s = run_policy("sync", w, cost, 2, groups_per_step=1, train_s=0.0, refit_s=0.0)
     assert (s.steps, s.wasted_tokens_ratio) == (3, 0.0)
+
+
+def test_under_partial_the_long_group_goes_on_under_new_weights_and_its_age_is_counted() -> None:
+    """The same run under ``lag_rule = "partial"``: the long group is not stopped; it lives
+    through the refits to versions 1 and 2 (10 tokens each at 0.01 s a token, while the short
+    groups make two steps) and ships at trainer version 2 by its newest token. Nothing is
+    wasted; its 10 tokens of version 0 are 2 behind (over the bound) and its 10 of version 1
+    are 1 behind: a token lag of 30 over the 2020 trained tokens."""
+    cost = CostModel(decode_base_s=0.01, decode_per_seq_s=0.0, decode_per_kctx_s=0.0,
+                     prefill_per_token_s=0.0, max_seqs=8)  # fmt: skip
+    groups = (PromptGroup(1, (2000,)), PromptGroup(1, (10,)), PromptGroup(1, (10,)))
+    w = Workload("behind", groups, (2000.0, 10.0, 10.0))
+    f = run_policy(
+        "least_requests", w, cost, 2, groups_per_step=1, train_s=0.0, refit_s=0.0,
+        lag_rule="partial",
+    )  # fmt: skip
+    assert (f.steps, f.wasted_tokens_ratio) == (3, 0.0)
+    assert f.token_lag_mean == pytest.approx(30 / 2020)
+    assert f.over_bound_token_ratio == pytest.approx(10 / 2020)
+    assert f.wall_s == pytest.approx(20.0)  # 2000 tokens, never restarted
+    with pytest.raises(ValueError, match="lag rule"):
+        run_policy("deltarl", w, cost, 2, 1, 0.0, 0.0, lag_rule="newest")
+
+
+def test_the_lag_rule_reaches_the_json() -> None:
+    code, result, err = _bench(
+        "--prompts", "256", "--instances", "8", "--groups-per-step", "32", "--lag-rule", "partial"
+    )
+    assert code == 0, err
+    assert result is not None
+    assert result["lag_rule"] == "partial"
+    for m in result["policies"].values():
+        assert m["wasted_tokens_ratio"] == 0  # nothing in flight is doomed; no one falls behind
+        assert 0 <= m["over_bound_token_ratio"] < 1
+    assert result["policies"]["sync"]["token_lag_mean"] == 0  # sync never crosses a version
 
 
 def test_deltarl_outruns_least_requests_on_a_long_tailed_workload() -> None:
