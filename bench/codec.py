@@ -8,7 +8,13 @@ the result bit for bit against the trainer's version, and reports:
 - encode_gbps: model bytes per second of diff + coding + compression + checksums;
 - apply_gbps: model bytes per second of decode + scatter + verifying every tensor's xxh3-128;
 - memcpy_gbps: a copy of the same number of bytes, measured in the same run;
-- bytes_per_change against entropy_bytes_per_change (codecs/entropy.py).
+- bytes_per_change against entropy_bytes_per_change (codecs/entropy.py: positions i.i.d.,
+  values priced as their XOR with the reference), entropy_ordered_bytes_per_change (the same
+  positions, values as the order-0 entropy of the ordered-delta symbols the codec actually
+  codes: the honest bound for a coder that conditions on nothing) and
+  entropy_conditioned_bytes_per_change (what a coder could reach that conditions on what
+  both sides hold: each element's reference exponent and whether it changed in the previous
+  delta, with an adaptive coder's cost of learning its model; step 1 has no previous delta).
 
 ``--versions DIR`` encodes real consecutive versions instead (recorded by ``deltarl up
 --keep-versions N`` from a real model learning a real task), so the codec is measured on the
@@ -32,7 +38,12 @@ import numpy as np
 
 from deltarl.codecs.decoder import VersionApply
 from deltarl.codecs.encoder import Chunk, DeltaEncoder
-from deltarl.codecs.entropy import iid_bound_bytes_per_change
+from deltarl.codecs.entropy import (
+    changed_mask,
+    conditioned_bound_bytes_per_change,
+    iid_bound_bytes_per_change,
+    ordered_bound_bytes_per_change,
+)
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.warmup import warm_up
 from deltarl.engine.layout import Layout
@@ -100,6 +111,7 @@ def run(
     encoder = DeltaEncoder(layout)
     result: dict[str, Any] = {"params": count, "memcpy_gbps": 0.0, "steps": []}
     memcpy = []
+    previous: np.ndarray | None = None  # which elements the previous delta changed
     for step, (ref, cur) in enumerate(source, start=1):
         memcpy.append(memcpy_gbps(layout.nbytes))
 
@@ -139,6 +151,9 @@ def run(
         apply_s = _median_time(apply, repeat, setup=reset)
         bit_exact = bool(np.array_equal(target, cur))
         changed, bound = iid_bound_bytes_per_change(layout, ref, cur)
+        _, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
+        _, conditioned = conditioned_bound_bytes_per_change(layout, ref, cur, previous)
+        previous = changed_mask(layout, ref, cur)
         wire = sum(len(c.data) for c in chunks)
         result["steps"].append(
             {
@@ -148,6 +163,8 @@ def run(
                 "wire_bytes": wire,
                 "bytes_per_change": wire / changed if changed else 0.0,
                 "entropy_bytes_per_change": bound,
+                "entropy_ordered_bytes_per_change": ordered,
+                "entropy_conditioned_bytes_per_change": conditioned,
                 "encode_gbps": model_bytes / encode_s / 1e9,
                 "apply_gbps": model_bytes / apply_s / 1e9,
                 "bit_exact": bit_exact,
@@ -186,12 +203,13 @@ def render(result: dict[str, Any]) -> str:
         f"codec benchmark: {params:,} parameters (bf16), memcpy {mem:.2f} GB/s",
         "",
         f"{'step':>4} {'changed':>8} {'full MB':>8} {'wire KB':>9} {'B/change':>8} {'bound':>6} "
-        f"{'encode GB/s':>11} {'apply GB/s':>10} {'bit-exact':>9}",
+        f"{'ordered':>7} {'cond.':>6} {'encode GB/s':>11} {'apply GB/s':>10} {'bit-exact':>9}",
     ]
     lines += [
         f"{s['step']:>4} {s['changed_ratio']:>8.4%} {s['full_bytes'] / 1e6:>8.1f} "
         f"{s['wire_bytes'] / 1e3:>9.1f} {s['bytes_per_change']:>8.3f} "
-        f"{s['entropy_bytes_per_change']:>6.3f} {s['encode_gbps']:>11.2f} "
+        f"{s['entropy_bytes_per_change']:>6.3f} {s['entropy_ordered_bytes_per_change']:>7.3f} "
+        f"{s['entropy_conditioned_bytes_per_change']:>6.3f} {s['encode_gbps']:>11.2f} "
         f"{s['apply_gbps']:>10.2f} {'yes' if s['bit_exact'] else 'NO':>9}"
         for s in result["steps"]
     ]

@@ -13,7 +13,9 @@ import math
 
 import numpy as np
 
-from deltarl.engine.layout import Layout
+from deltarl.codecs.frame import VAL_ORDERED_DELTA
+from deltarl.codecs.values import encode_values
+from deltarl.engine.layout import Layout, dtype_of
 
 
 def binary_entropy(p: float) -> float:
@@ -56,4 +58,120 @@ def iid_bound_bytes_per_change(
     if changed == 0:
         return 0, 0.0
     position_bits = total * binary_entropy(changed / total)
+    return changed, (position_bits + value_bits) / changed / 8.0
+
+
+# Where the exponent sits in each float type's bit pattern: (shift, mask).
+_EXPONENT = {
+    "bfloat16": (7, 0xFF),
+    "float16": (10, 0x1F),
+    "float32": (23, 0xFF),
+    "float64": (52, 0x7FF),
+}
+
+
+def ordered_bound_bytes_per_change(
+    layout: Layout, ref: np.ndarray, cur: np.ndarray
+) -> tuple[int, float]:
+    """(changed elements, bytes per changed element) of the delta's own symbols: positions as
+    i.i.d. coin flips, plus the order-0 entropy of the ordered-delta symbols the codec codes
+    (``values.encode_values`` with ``VAL_ORDERED_DELTA``, per element width).
+
+    This is the bound for a coder of those symbols that conditions on nothing; the XOR bound
+    above prices the values as the reference's XOR, which the ordered delta already beats, so
+    a codec can sit below the XOR bound without beating anything."""
+    total = layout.numel
+    by_size: dict[int, list[np.ndarray]] = {}
+    for i, spec in enumerate(layout.tensors):
+        a, b = layout.view(ref, i), layout.view(cur, i)
+        diff = a != b
+        if diff.any():
+            is_float = dtype_of(spec.dtype).kind == "float"
+            coded = encode_values(b[diff], a[diff], VAL_ORDERED_DELTA, is_float)
+            by_size.setdefault(spec.itemsize, []).append(coded)
+    changed = sum(x.size for parts in by_size.values() for x in parts)
+    if changed == 0:
+        return 0, 0.0
+    value_bits = sum(empirical_entropy_bits(np.concatenate(p)) for p in by_size.values())
+    position_bits = total * binary_entropy(changed / total)
+    return changed, (position_bits + value_bits) / changed / 8.0
+
+
+def changed_mask(layout: Layout, ref: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """One bool per element, tensors in layout order: did the delta change it."""
+    return np.concatenate(
+        [layout.view(ref, i) != layout.view(cur, i) for i in range(len(layout.tensors))]
+    )
+
+
+def change_contexts(
+    layout: Layout, ref: np.ndarray, previous: np.ndarray | None
+) -> tuple[np.ndarray, int]:
+    """Each element's context, from what sender and receiver both hold: its tensor, its
+    reference exponent (whether a step moves a bf16 value depends on the ulp its exponent
+    sets) and whether it changed in the previous delta (``previous``: a bool per element, or
+    None). Returns (context id per element, number of contexts)."""
+    ids = np.empty(layout.numel, np.int64)
+    start = 0
+    width = 2 * 2048  # exponent values (up to 11 bits) x changed-before
+    for i, spec in enumerate(layout.tensors):
+        bits = layout.view(ref, i)
+        n = bits.size
+        shift_mask = _EXPONENT.get(spec.dtype)
+        if shift_mask is None:
+            exponent = np.zeros(n, np.int64)
+        else:
+            exponent = ((bits >> bits.dtype.type(shift_mask[0])) & shift_mask[1]).astype(np.int64)
+        before = (
+            previous[start : start + n].astype(np.int64)
+            if previous is not None
+            else np.zeros(n, np.int64)
+        )
+        ids[start : start + n] = i * width + exponent * 2 + before
+        start += n
+    return ids, len(layout.tensors) * width
+
+
+def conditioned_bound_bytes_per_change(
+    layout: Layout, ref: np.ndarray, cur: np.ndarray, previous: np.ndarray | None = None
+) -> tuple[int, float]:
+    """(changed elements, bytes per changed element) for a coder that conditions on the
+    contexts of ``change_contexts``: each context's own P(change) for the positions and its
+    own distribution of ordered-delta symbols for the values, plus what learning them costs
+    an adaptive coder (half a bit times log2 of the context's count, per parameter). What
+    coding against the reference could reach; not what the codec does today."""
+    ctx, _ = change_contexts(layout, ref, previous)
+    diff = changed_mask(layout, ref, cur)
+    changed = int(diff.sum())
+    if changed == 0:
+        return 0, 0.0
+    n_ctx = np.bincount(ctx)
+    c_ctx = np.bincount(ctx[diff], minlength=n_ctx.size)
+    used = n_ctx > 0
+    n, c = n_ctx[used].astype(np.float64), c_ctx[used].astype(np.float64)
+    p = c / n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -(np.where(c > 0, p * np.log2(p), 0.0) + np.where(c < n, (1 - p) * np.log2(1 - p), 0.0))
+    position_bits = float((n * h).sum()) + float((0.5 * np.log2(n)).sum())
+    changed_ctx = ctx[diff]
+    symbols = []
+    for i, spec in enumerate(layout.tensors):
+        a, b = layout.view(ref, i), layout.view(cur, i)
+        d = a != b
+        if d.any():
+            is_float = dtype_of(spec.dtype).kind == "float"
+            symbols.append(encode_values(b[d], a[d], VAL_ORDERED_DELTA, is_float).astype(np.uint64))
+    coded = np.concatenate(symbols)
+    # Order-0 entropy of the symbols within each context, plus the regret of learning each
+    # context's distribution (half a bit x log2(count) per distinct symbol seen there).
+    order = np.lexsort((coded, changed_ctx))
+    key_ctx, key_sym = changed_ctx[order], coded[order]
+    new_pair = np.ones(key_ctx.size, bool)
+    new_pair[1:] = (key_ctx[1:] != key_ctx[:-1]) | (key_sym[1:] != key_sym[:-1])
+    pair_start = np.flatnonzero(new_pair)
+    pair_count = np.diff(np.append(pair_start, key_ctx.size)).astype(np.float64)
+    pair_ctx = key_ctx[pair_start]
+    ctx_total = np.bincount(pair_ctx, weights=pair_count)
+    value_bits = float(-(pair_count * np.log2(pair_count / ctx_total[pair_ctx])).sum())
+    value_bits += float((0.5 * np.log2(np.maximum(ctx_total[pair_ctx], 1.0))).sum())
     return changed, (position_bits + value_bits) / changed / 8.0

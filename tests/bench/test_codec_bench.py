@@ -12,6 +12,8 @@ STEP_KEYS = {
     "wire_bytes": int,
     "bytes_per_change": float,
     "entropy_bytes_per_change": float,
+    "entropy_ordered_bytes_per_change": float,
+    "entropy_conditioned_bytes_per_change": float,
     "encode_gbps": float,
     "apply_gbps": float,
     "bit_exact": bool,
@@ -56,6 +58,10 @@ def test_bench_codec_json_shape_and_bit_exactness():
         assert 0.0 < s["changed_ratio"] < 1.0
         assert 0 < s["wire_bytes"] < s["full_bytes"]
         assert s["entropy_bytes_per_change"] > 0
+        # The ordered delta's symbols cost less than the XOR's, and conditioning on what both
+        # sides hold costs less again (on AdamW deltas; not a law for every delta).
+        assert 0 < s["entropy_ordered_bytes_per_change"] < s["entropy_bytes_per_change"]
+        assert 0 < s["entropy_conditioned_bytes_per_change"] < s["entropy_ordered_bytes_per_change"]
 
 
 def test_bench_codec_table_names_the_targets():

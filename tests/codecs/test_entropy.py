@@ -1,4 +1,5 @@
-"""The i.i.d. entropy bound of entropy.py, on cases whose answer is known by hand."""
+"""The entropy bounds of entropy.py (i.i.d. with XOR values, i.i.d. with ordered-delta values,
+conditioned on the reference and the previous delta), on cases whose answer is known by hand."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import pytest
 
 from deltarl.codecs.entropy import (
     binary_entropy,
+    change_contexts,
+    changed_mask,
+    conditioned_bound_bytes_per_change,
     empirical_entropy_bits,
     iid_bound_bytes_per_change,
+    ordered_bound_bytes_per_change,
 )
 from deltarl.engine.layout import Layout
 
@@ -59,3 +64,73 @@ def test_iid_bound_on_a_hand_computed_delta() -> None:
     assert changed == 8
     # positions: 16 elements, 8 changed: 16 bits; values: one symbol per width: 0 bits
     assert bound == pytest.approx(16 / 8 / 8)
+
+
+ONE = 0x3F80  # bf16 1.0: exponent 127
+FOUR = 0x4080  # bf16 4.0: exponent 129
+
+
+def test_the_ordered_bound_prices_the_symbols_the_codec_codes() -> None:
+    """Four bf16 1.0s, two moved up by one ulp and none down: the XOR of 0x3F80 and 0x3F81
+    is 1 (0x3F81 ^ 0x3F82 would be 3: a carry); here both XORs are 1, both ordered deltas +1,
+    so both bounds price the values at 0 bits. Moving one up and one down makes XORs 1 and
+    0xFF (0x3F80 ^ 0x3F7F) and ordered deltas +1 and -1: both one bit a value."""
+    layout = Layout.pack([("w", "bfloat16", (4,))])
+    ref = np.zeros(layout.nbytes, np.uint8)
+    layout.view(ref, "w")[:] = ONE
+    assert ordered_bound_bytes_per_change(layout, ref, ref.copy()) == (0, 0.0)
+    cur = ref.copy()
+    layout.view(cur, "w")[:2] = ONE + 1
+    assert ordered_bound_bytes_per_change(layout, ref, cur) == (2, pytest.approx(4 / 2 / 8))
+    layout.view(cur, "w")[1] = ONE - 1
+    changed, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
+    assert (changed, ordered) == (2, pytest.approx((4 + 2) / 2 / 8))
+    assert iid_bound_bytes_per_change(layout, ref, cur)[1] == pytest.approx((4 + 2) / 2 / 8)
+
+
+def test_a_carry_costs_the_xor_bound_bits_the_ordered_bound_does_not() -> None:
+    """0x3F81 -> 0x3F82 and 0x3F80 -> 0x3F81: XORs 3 and 1 (two symbols: one bit each), both
+    ordered deltas +1 (one symbol: no bits)."""
+    layout = Layout.pack([("w", "bfloat16", (2,))])
+    ref = np.zeros(layout.nbytes, np.uint8)
+    layout.view(ref, "w")[:] = [ONE + 1, ONE]
+    cur = ref.copy()
+    layout.view(cur, "w")[:] = [ONE + 2, ONE + 1]
+    assert iid_bound_bytes_per_change(layout, ref, cur)[1] == pytest.approx(2 / 2 / 8)
+    assert ordered_bound_bytes_per_change(layout, ref, cur)[1] == pytest.approx(0.0)
+
+
+def test_contexts_are_the_tensor_the_exponent_and_the_previous_change() -> None:
+    layout = Layout.pack([("a", "bfloat16", (2,)), ("b", "int8", (2,))])
+    ref = np.zeros(layout.nbytes, np.uint8)
+    layout.view(ref, "a")[:] = [ONE, FOUR]
+    ids, count = change_contexts(layout, ref, np.array([True, False, False, True]))
+    assert ids[0] == 127 * 2 + 1
+    assert ids[1] == 129 * 2
+    assert ids[2] == count // 2  # tensor b, no exponent (an int), not changed before
+    assert ids[3] == count // 2 + 1
+    assert len(set(ids.tolist())) == 4
+    assert (change_contexts(layout, ref, None)[0] % 2 == 0).all()  # no previous delta
+
+
+def test_the_conditioned_bound_sees_what_the_reference_predicts() -> None:
+    """64 elements: the 32 at 1.0 all move one ulp, the 32 at 4.0 never do. Blind to the
+    exponent, the positions cost 64 bits (p = 1/2); conditioned on it, each context is
+    certain, and what is left is an adaptive coder's cost of learning two probabilities and
+    one value distribution: half a bit x log2(32) each."""
+    layout = Layout.pack([("w", "bfloat16", (64,))])
+    ref = np.zeros(layout.nbytes, np.uint8)
+    w = layout.view(ref, "w")
+    w[::2], w[1::2] = ONE, FOUR
+    cur = ref.copy()
+    layout.view(cur, "w")[::2] = ONE + 1
+    changed, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
+    assert (changed, ordered) == (32, pytest.approx(64 / 32 / 8))
+    _, conditioned = conditioned_bound_bytes_per_change(layout, ref, cur)
+    regret = 3 * 0.5 * math.log2(32)
+    assert conditioned == pytest.approx(regret / 32 / 8)
+    # the previous delta changed the same elements: the context says so too
+    previous = changed_mask(layout, ref, cur)
+    assert previous.sum() == 32
+    _, again = conditioned_bound_bytes_per_change(layout, ref, cur, previous)
+    assert again == pytest.approx(regret / 32 / 8)
