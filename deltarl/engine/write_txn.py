@@ -106,6 +106,13 @@ class WriteTxn:
         np.copyto(self.buffer, self._active)
         self._base_version = self.active_version
 
+    def brought_to(self, version: int) -> None:
+        """The caller wrote the target up to ``version`` from the version it held (a sparse
+        catch-up: deltarl/refit/catch_up.py), unverified until the next commit's caller
+        verifies the whole buffer."""
+        self._touch()
+        self._base_version = version
+
     def commit(self, version: int, *, allow_older: bool = False, digest: str | None = None) -> None:
         """Mark the target READY as ``version`` and make it active, all at once for readers.
 

@@ -6,8 +6,9 @@ manifest) of a new version opens a write transaction on the rollout store's inac
     chunk/manifest of version v, no open job, v not seen before
       | a delta whose base is not the active version -> refused: needs_full, RefitFailed
       v
-    APPLYING  begin_write; a delta whose target buffer does not hold its base gets
-      |       copy_from_active first; each chunk is applied (reference: the active buffer),
+    APPLYING  begin_write; a delta whose target buffer does not hold its base gets there
+      |       first: by the last delta again when it bridges the gap (catch_up.py: sparse),
+      |       else copy_from_active; each chunk is applied (reference: the active buffer),
       |       then released; a chunk of a newer version abandons this one (failed)
       | manifest here and every chunk it lists applied
       v
@@ -78,6 +79,7 @@ from deltarl.config.refit import ApplyConfig
 from deltarl.engine.daemon import DaemonContext, DaemonCore
 from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
 from deltarl.ops import metrics
+from deltarl.refit.catch_up import KeptDelta
 from deltarl.refit.receiver_state import GetReceiverState, ReceiverState
 from deltarl.refit.relay import Relay
 from deltarl.transport.base import MAX_VERSION, ChunkReceiver, ReceivedChunk, ReceivedManifest
@@ -114,6 +116,10 @@ class _Job:
     """Seconds spent opening the write (and copying the active buffer for a delta)."""
     heard_at: float = 0.0
     """Monotonic time the job last received a chunk or its manifest (stalled_job_s)."""
+    kept: KeptDelta | None = None
+    """A delta's chunks as applied, kept to bring the other buffer up to date next time."""
+    opened_by: str = "none"
+    """How the target came to hold the base: "none" (it did), "catch_up", "copy"."""
 
 
 class ApplyCore(DaemonCore):
@@ -149,6 +155,11 @@ class ApplyCore(DaemonCore):
         self.applied = 0
         self.refused = 0
         self.revoked_leases = 0  # writes that revoked a lagging engine's lease (I4)
+        # The last delta committed, to bring the other buffer up to date sparsely (catch_up.py);
+        # how each delta's target got to its base: counts by "catch_up" and "copy".
+        self.kept: KeptDelta | None = None
+        self.opened_by = {"catch_up": 0, "copy": 0}
+        self._last_opened_by: str | None = None
         self.refused_items = 0  # chunks and manifests refused before any use (counted, logged)
         self.seal_failures = 0  # of those, manifests whose seal did not hold (forged?)
         # version -> chunk id -> why it was refused: a version whose manifest lists one of
@@ -266,10 +277,12 @@ class ApplyCore(DaemonCore):
                 return
             t = job.heard_at = time.monotonic()
             try:
-                await asyncio.to_thread(job.apply.apply, chunk.data)
+                fresh = await asyncio.to_thread(job.apply.apply, chunk.data)
             except (FrameError, ValueError) as e:
                 await self._fail(job.version, f"chunk {header.chunk_id}: {e}")
                 return
+            if fresh and job.kept is not None:
+                job.kept.chunks.append(bytes(chunk.data))  # the transport frees its own
             job.apply_s += time.monotonic() - t
             metrics.REFIT_WIRE_BYTES.inc(len(chunk.data))
         finally:
@@ -354,9 +367,10 @@ class ApplyCore(DaemonCore):
             return None
         if txn.revoked:
             self.revoked_leases += 1
+        opened_by = "none"
         if base is not None and txn.base_version != base:
-            # The target buffer holds an older version: start it from the active one.
-            await asyncio.to_thread(txn.copy_from_active)
+            # The target buffer holds an older version: bring it to the active one.
+            opened_by = await self._bring_to_base(txn, base)
         reference = txn.active if base is not None else None
         apply = VersionApply(
             txn.layout,
@@ -367,11 +381,30 @@ class ApplyCore(DaemonCore):
             hash_chunks=self.mac_key is not None,
         )
         self.job = _Job(version, base, slot, txn, apply, time.monotonic())
+        self.job.kept = None if base is None else KeptDelta(version, base)
+        self.job.opened_by = opened_by
         self.job.open_s = self.job.started - opened  # begin_write (+ copy_from_active)
         self.job.heard_at = self.job.started
         self._job_done.clear()
         self._changed.set()
         return self.job
+
+    async def _bring_to_base(self, txn: WriteTxn, base: int) -> str:
+        """Make the target hold ``base`` (the active version): by the kept delta when it
+        bridges the target's version to it, else by copying the active buffer."""
+        kept = self.kept
+        if kept is not None and kept.brings(txn.base_version, base):
+            try:
+                await asyncio.to_thread(kept.catch_up, txn.layout, txn.buffer)
+            except (FrameError, ValueError) as e:  # applied once already: should not happen
+                logger.warning("catch-up by version %d failed (%s): copying", kept.version, e)
+            else:
+                txn.brought_to(base)
+                self.opened_by["catch_up"] += 1
+                return "catch_up"
+        await asyncio.to_thread(txn.copy_from_active)
+        self.opened_by["copy"] += 1
+        return "copy"
 
     def _end_job(self, *, abort: bool) -> None:
         if self.job is not None and abort:
@@ -433,6 +466,9 @@ class ApplyCore(DaemonCore):
             return
         t_done = time.monotonic()
         self._end_job(abort=False)
+        # The other buffer now holds what this one held before: this delta brings it here.
+        self.kept = job.kept
+        self._last_opened_by = job.opened_by
         self._finish(job.version, "applied", job.base, job.slot)
         if job.base is None:
             self.needs_full = False
@@ -484,6 +520,9 @@ class ApplyCore(DaemonCore):
         base, the same delta is valid."""
         if self.job is not None and self.job.version == version:
             base, slot = self.job.base, self.job.slot
+            if self.job.opened_by == "catch_up":
+                # Whatever failed, the next attempt does not rest on the kept delta again.
+                self.kept = None
             self._end_job(abort=True)
         if remember:
             self._finish(version, "failed", base, slot)
@@ -545,6 +584,10 @@ class ApplyCore(DaemonCore):
             "applied": self.applied,
             "refused": self.refused,
             "revoked_leases": self.revoked_leases,
+            # How each delta's target buffer reached its base: the last delta again (sparse)
+            # or a copy of the active buffer; and how the last one did.
+            "opened_by": dict(self.opened_by),
+            "last_opened_by": self._last_opened_by,
             "refused_items": self.refused_items,
             "seal_failures": self.seal_failures,
             "sealed": self.mac_key is not None,
