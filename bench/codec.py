@@ -16,6 +16,14 @@ the result bit for bit against the trainer's version, and reports:
   both sides hold: each element's reference exponent and whether it changed in the previous
   delta, with an adaptive coder's cost of learning its model; step 1 has no previous delta).
 
+``--peers`` also runs two peer coders on the same deltas (``codec_peers``: a NeMo-style XOR +
+gaps + zstd-1 coder and absolute indices + values), each checked bit for bit, and reports
+each step's ``peers``: per peer its wire bytes, bytes per change, encode and apply speed.
+
+``--checkpoints A B ...`` encodes a user's own consecutive Hugging Face checkpoints
+(``codec_checkpoints``: safetensors directories), each step also reporting ``layers``, the
+changed ratio per tensor group.
+
 ``--versions DIR`` encodes real consecutive versions instead (recorded by ``deltarl up
 --keep-versions N`` from a real model learning a real task), so the codec is measured on the
 deltas it will carry, not only on a simulation of them.
@@ -27,6 +35,7 @@ before the first timed run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -98,15 +107,56 @@ def _recorded(
     return layout, layout.numel, ((ref, cur) for _, ref, cur in chosen)
 
 
+def _peers(
+    layout: Layout, ref: np.ndarray, cur: np.ndarray, changed: int, repeat: int
+) -> dict[str, Any]:
+    """Each peer coder on this delta: wire size, speed, and whether it decodes bit-exact."""
+    from deltarl.bench.codec_peers import PEERS  # noqa: PLC0415 - only with --peers
+
+    out: dict[str, Any] = {}
+    model_bytes = layout.payload_nbytes
+    for peer in PEERS:
+        wire: list[bytes] = []
+        encode_s = _median_time(lambda p=peer, w=wire: w.append(p.encode(layout, ref, cur)), repeat)
+        data = wire[-1]
+        target = np.empty_like(ref)
+        apply_s = _median_time(
+            lambda p=peer, t=target, d=data: p.apply(layout, t, d),
+            repeat,
+            setup=lambda t=target: np.copyto(t, ref),
+        )
+        out[peer.name] = {
+            "wire_bytes": len(data),
+            "bytes_per_change": len(data) / changed if changed else 0.0,
+            "encode_gbps": model_bytes / encode_s / 1e9,
+            "apply_gbps": model_bytes / apply_s / 1e9,
+            "bit_exact": bool(np.array_equal(target, cur)),
+        }
+    return out
+
+
 def run(
-    params: int, steps: int, repeat: int, seed: int, versions: Path | None = None
+    params: int,
+    steps: int,
+    repeat: int,
+    seed: int,
+    versions: Path | None = None,
+    peers: bool = False,
+    checkpoints: list[Path] | None = None,
 ) -> dict[str, Any]:
     """Simulated AdamW deltas, or (``versions``) real ones recorded by ``deltarl up
-    --keep-versions``; step i encodes version i against version i - 1 either way."""
+    --keep-versions``, or (``checkpoints``) a user's own; step i encodes version i against
+    version i - 1 either way."""
     warm_up()
-    layout, count, source = (
-        _simulated(params, steps, seed) if versions is None else _recorded(versions, steps)
-    )
+    if checkpoints:
+        from deltarl.bench.codec_checkpoints import read_checkpoints  # noqa: PLC0415 - torch
+
+        layout, buffers = read_checkpoints(checkpoints)
+        count, source = layout.numel, iter(list(itertools.pairwise(buffers))[:steps])
+    elif versions is not None:
+        layout, count, source = _recorded(versions, steps)
+    else:
+        layout, count, source = _simulated(params, steps, seed)
     model_bytes = layout.payload_nbytes
     encoder = DeltaEncoder(layout)
     result: dict[str, Any] = {"params": count, "memcpy_gbps": 0.0, "steps": []}
@@ -170,6 +220,12 @@ def run(
                 "bit_exact": bit_exact,
             }
         )
+        if peers:
+            result["steps"][-1]["peers"] = _peers(layout, ref, cur, changed, repeat)
+        if checkpoints:
+            from deltarl.bench.codec_checkpoints import layer_changes  # noqa: PLC0415
+
+            result["steps"][-1]["layers"] = layer_changes(layout, ref, cur)
     result["memcpy_gbps"] = statistics.median(memcpy)
     return result
 
@@ -214,6 +270,14 @@ def render(result: dict[str, Any]) -> str:
         for s in result["steps"]
     ]
     lines.append("")
+    for s in result["steps"]:
+        for name, p in s.get("peers", {}).items():
+            lines.append(
+                f"  step {s['step']} peer {name}: {p['bytes_per_change']:.3f} B/change "
+                f"(ours: {s['bytes_per_change'] / p['bytes_per_change']:.2f}x its size), encode "
+                f"{p['encode_gbps']:.2f} GB/s, apply {p['apply_gbps']:.2f} GB/s (numpy, no "
+                f"verify), bit-exact {'yes' if p['bit_exact'] else 'NO'}"
+            )
     lines += [f"  [{'ok' if ok else 'MISS'}] {text}" for text, ok in verdicts(result)]
     return "\n".join(lines)
 
@@ -230,19 +294,43 @@ def main(argv: list[str] | None = None) -> int:
         help="real consecutive versions recorded by `deltarl up --keep-versions N` (a run's "
         "versions/ directory) instead of simulated ones; --params and --seed are then unused",
     )
+    ap.add_argument(
+        "--checkpoints",
+        type=Path,
+        nargs="+",
+        metavar="CKPT",
+        help="consecutive Hugging Face checkpoints (safetensors directories) to encode, each "
+        "against the one before (--steps limits the pairs), with per-layer changed ratios",
+    )
+    ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run a NeMo-style XOR+gaps+zstd coder and absolute indices+values on the "
+        "same deltas (each step's peers)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.repeat < 1:
         ap.error("--steps and --repeat must be at least 1")
     if not args.json:
         what = (
-            f"the versions recorded in {args.versions}"
+            f"{len(args.checkpoints)} checkpoints"
+            if args.checkpoints
+            else f"the versions recorded in {args.versions}"
             if args.versions
             else f"a {args.params:,}-parameter model and {args.steps} AdamW steps"
         )
         print(f"encoding {what}...", file=sys.stderr)
     try:
-        result = run(args.params, args.steps, args.repeat, args.seed, args.versions)
+        result = run(
+            args.params,
+            args.steps,
+            args.repeat,
+            args.seed,
+            args.versions,
+            args.peers,
+            args.checkpoints,
+        )
     except (OSError, ValueError) as e:
         print(f"deltarl bench codec: {e}", file=sys.stderr)
         return 2
@@ -252,4 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     else:
         print(render(result))
-    return 0 if all(s["bit_exact"] for s in result["steps"]) else 1
+    exact = all(s["bit_exact"] for s in result["steps"]) and all(
+        p["bit_exact"] for s in result["steps"] for p in s.get("peers", {}).values()
+    )
+    return 0 if exact else 1
