@@ -28,6 +28,12 @@ with a MAC, a BLAKE2b-256 per chunk, the stream link on TLS 1.3) and adds ``seal
 run's medians and their ratios to the plain run's, so the cost of authentication is measured
 side by side on the same machine.
 
+``--compare-copy`` runs it all again with the apply agent copying the whole active buffer into
+the target before every delta (``catch_up = false``) and adds ``copy``: that run's medians and
+the ratios to this run's, so what the sparse catch-up (deltarl/refit/catch_up.py) saves is
+measured side by side. Each result also gives the delta refits' P95 total and the smallest
+speedup over the refits (``speedup_min``: the full transfer over the slowest delta refit).
+
 ``--rate-mbit R`` puts the export agent and the apply agent in two network namespaces joined
 by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
 """
@@ -79,7 +85,9 @@ def _link_table(link: str, host: str, port: int, tmp: Path, sealed: bool) -> dic
     return {"type": link, "host": host, "port": port, "security": "on" if sealed else "off"}
 
 
-def _tables(tmp: Path, params: int, link: dict[str, Any], ack_timeout_s: float) -> dict:
+def _tables(
+    tmp: Path, params: int, link: dict[str, Any], ack_timeout_s: float, catch_up: bool = True
+) -> dict:
     def ipc(name: str) -> str:
         return f"ipc://{tmp}/{name}"
 
@@ -111,6 +119,7 @@ def _tables(tmp: Path, params: int, link: dict[str, Any], ack_timeout_s: float) 
             "layout_store": "pub",
             "layout_wait_s": 600.0,
             "link": link,
+            "catch_up": catch_up,
         },
     }
     return {"daemons": daemons}
@@ -217,6 +226,9 @@ class Refits:
             "activate_s": float(applied["verify_s"] + applied["commit_s"]),
             "total_s": float(last["total_s"]),
             "bit_exact": bit_exact,
+            # How the apply agent's target reached the delta's base (catch_up.py): "catch_up"
+            # (the last delta again), "copy" (the active buffer), "none" (it held it: a full).
+            "opened_by": str(self.d.fields("apply").get("last_opened_by")),
         }
         opened_at = applied["started_at"] - applied["open_s"]
         self.diag.append(
@@ -229,6 +241,8 @@ class Refits:
                 # The acknowledgement's own latency: the flip to the export agent hearing of it
                 # (a pushed event; it was a status poll every poll_s before).
                 "commit_to_ack_s": last["acked_at"] - applied["committed_at"],
+                # How the target reached the delta's base: the last delta again, or a copy.
+                "opened_by": self.d.fields("apply").get("last_opened_by"),
             }
         )
         return record, now
@@ -250,7 +264,13 @@ def _cluster_keys(tmp: Path, sealed: bool) -> Iterator[None]:
 
 
 def run(
-    params: int, link: str, rate_mbit: float | None, refits: int, *, sealed: bool = False
+    params: int,
+    link: str,
+    rate_mbit: float | None,
+    refits: int,
+    *,
+    sealed: bool = False,
+    catch_up: bool = True,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end."""
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs for the stores; mkdtemp makes it private
@@ -268,7 +288,7 @@ def run(
         else:
             host, port = "127.0.0.1", _free_port()
         link_table = _link_table(link, host, port, tmp, sealed)
-        tables = _tables(tmp, params, link_table, ack_timeout_s=wait_s)
+        tables = _tables(tmp, params, link_table, ack_timeout_s=wait_s, catch_up=catch_up)
         daemons = Daemons(tmp, prefixes, tables)
         with _cluster_keys(tmp, sealed):
             for name in ("apply", "export", "trainer"):
@@ -304,6 +324,7 @@ def run(
             r["total_s"] for r in records
         ]
         median = statistics.median(deltas)
+        p95 = float(np.percentile(deltas, 95))
         return {
             "link": link,
             "rate_mbit": None if rate_mbit is None else float(rate_mbit),
@@ -311,7 +332,10 @@ def run(
             "full": {"total_s": full_record["total_s"], "wire_bytes": full_record["wire_bytes"]},
             "refits": records,
             "delta_total_s_median": median,
+            "delta_total_s_p95": p95,
             "speedup": full_record["total_s"] / median if median > 0 else 0.0,
+            "speedup_min": full_record["total_s"] / max(deltas) if max(deltas) > 0 else 0.0,
+            "apply_s_median": statistics.median(r["apply_s"] for r in records),
         }, bench.diag[1 : 1 + refits]
     finally:
         if daemons is not None:
@@ -343,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run again with the cluster's keys (sealed manifests, BLAKE2b per chunk, TLS on "
         "the stream link) and report what that costs, side by side",
     )
+    ap.add_argument(
+        "--compare-copy",
+        action="store_true",
+        help="run again with the apply agent copying the active buffer before every delta "
+        "(catch_up = false) and report the difference, side by side",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.refits < 1 or args.params < 1:
@@ -369,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.sealed_compare:
             sealed, _ = run(args.params, args.link, args.rate_mbit, args.refits, sealed=True)
             result["sealed"] = sealed_cost(result, sealed)
+        if args.compare_copy:
+            copied, _ = run(args.params, args.link, args.rate_mbit, args.refits, catch_up=False)
+            result["copy"] = copy_cost(result, copied)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)
         return 2
@@ -382,7 +415,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(result, diag))
     exact = all(r["bit_exact"] for r in result["refits"])
-    return 0 if exact and result.get("sealed", {}).get("bit_exact", True) else 1
+    others = (result.get(k, {}).get("bit_exact", True) for k in ("sealed", "copy"))
+    return 0 if exact and all(others) else 1
+
+
+def copy_cost(ours: dict[str, Any], copied: dict[str, Any]) -> dict[str, Any]:
+    """The copying run's figures beside the catch-up run's (ratios: copy / ours)."""
+    return {
+        "delta_total_s_median": copied["delta_total_s_median"],
+        "delta_total_s_p95": copied["delta_total_s_p95"],
+        "apply_s_median": copied["apply_s_median"],
+        "speedup": copied["speedup"],
+        "speedup_min": copied["speedup_min"],
+        "delta_ratio": copied["delta_total_s_median"] / ours["delta_total_s_median"],
+        "apply_ratio": copied["apply_s_median"] / ours["apply_s_median"],
+        "opened_by": sorted({r["opened_by"] for r in copied["refits"]}),
+        "bit_exact": all(r["bit_exact"] for r in copied["refits"]),
+    }
 
 
 def sealed_cost(plain: dict[str, Any], sealed: dict[str, Any]) -> dict[str, Any]:

@@ -77,17 +77,18 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
     lines += [
         "",
         f"full transfer: {full['wire_bytes'] / 1e6:.1f} MB in {full['total_s'] * 1e3:.1f} ms; "
-        f"median delta {result['delta_total_s_median'] * 1e3:.1f} ms; "
-        f"speedup {result['speedup']:.1f}x",
+        f"median delta {result['delta_total_s_median'] * 1e3:.1f} ms (P95 "
+        f"{result['delta_total_s_p95'] * 1e3:.1f} ms); speedup {result['speedup']:.1f}x "
+        f"(over the slowest delta: {result['speedup_min']:.1f}x)",
         limits(result),
     ]
     for d in diag or []:
         lines.append(
             f"  version {d['version']}: lease {d['copy_s'] * 1e3:.1f} ms, apply opened "
-            f"{d['first_chunk_after_s'] * 1e3:.1f} ms after encoding began (open + copy of the "
-            f"active buffer {d['open_s'] * 1e3:.1f} ms), commit {d['sent_to_commit_s'] * 1e3:.1f}"
-            f" ms after the last send returned, acknowledged {d['commit_to_ack_s'] * 1e3:.2f} ms"
-            f" after the commit"
+            f"{d['first_chunk_after_s'] * 1e3:.1f} ms after encoding began (open, base by "
+            f"{d.get('opened_by') or '?'}: {d['open_s'] * 1e3:.1f} ms), commit "
+            f"{d['sent_to_commit_s'] * 1e3:.1f} ms after the last send returned, acknowledged "
+            f"{d['commit_to_ack_s'] * 1e3:.2f} ms after the commit"
         )
     sealed = result.get("sealed")
     if sealed is not None:
@@ -97,6 +98,16 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f" ms ({sealed['delta_ratio']:.2f}x plain), full {sealed['full_total_s'] * 1e3:.1f} "
             f"ms ({sealed['full_ratio']:.2f}x), wire bytes {sealed['wire_bytes_ratio']:.3f}x, "
             f"bit-exact: {'yes' if sealed['bit_exact'] else 'NO'}"
+        )
+    copied = result.get("copy")
+    if copied:
+        lines.append(
+            f"copying the active buffer instead (catch_up = false), same machine, run after: "
+            f"median delta {copied['delta_total_s_median'] * 1e3:.1f} ms "
+            f"({copied['delta_ratio']:.2f}x), P95 {copied['delta_total_s_p95'] * 1e3:.1f} ms, "
+            f"apply {copied['apply_s_median'] * 1e3:.1f} ms ({copied['apply_ratio']:.2f}x), "
+            f"speedup {copied['speedup']:.1f}x (slowest {copied['speedup_min']:.1f}x), "
+            f"bit-exact: {'yes' if copied['bit_exact'] else 'NO'}"
         )
     lines.append("")
     lines += [f"  [{'ok' if ok else 'MISS'}] {text}" for text, ok in verdicts(result)]

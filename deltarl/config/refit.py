@@ -140,6 +140,11 @@ class ApplyConfig(DaemonTable):
     versions wait: they may replace it. A version is proven only by its manifest, which comes
     last, so until then its chunks are unproven (forged, or from a sender that died); without
     this bound they would hold off every older real version for good."""
+    catch_up: bool = True
+    """Bring a delta's target buffer to its base with the last delta again (sparse) where
+    that delta bridges it, instead of copying the whole active buffer (deltarl/refit/
+    catch_up.py). False: always copy (what ``deltarl bench refit --compare-copy`` measures
+    against)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

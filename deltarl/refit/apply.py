@@ -392,7 +392,7 @@ class ApplyCore(DaemonCore):
     async def _bring_to_base(self, txn: WriteTxn, base: int) -> str:
         """Make the target hold ``base`` (the active version): by the kept delta when it
         bridges the target's version to it, else by copying the active buffer."""
-        kept = self.kept
+        kept = self.kept if self.config.catch_up else None
         if kept is not None and kept.brings(txn.base_version, base):
             try:
                 await asyncio.to_thread(kept.catch_up, txn.layout, txn.buffer)

@@ -12,7 +12,18 @@ import orjson
 import pytest
 from deltarl.bench import netns
 
-TOP_KEYS = {"link", "rate_mbit", "params", "full", "refits", "delta_total_s_median", "speedup"}
+TOP_KEYS = {
+    "link",
+    "rate_mbit",
+    "params",
+    "full",
+    "refits",
+    "delta_total_s_median",
+    "speedup",
+    "delta_total_s_p95",
+    "speedup_min",
+    "apply_s_median",
+}
 REFIT_KEYS = {
     "version": int,
     "kind": str,
@@ -24,6 +35,7 @@ REFIT_KEYS = {
     "activate_s": float,
     "total_s": float,
     "bit_exact": bool,
+    "opened_by": str,
 }
 
 
@@ -94,6 +106,30 @@ def _check_shape(result: dict[str, Any], link: str, rate: float | None) -> None:
 
 def test_bench_refit_shm_json_shape_and_bit_exactness() -> None:
     _check_shape(_bench("--link", "shm")[0], "shm", None)
+
+
+def test_bench_refit_compare_copy_measures_the_catch_up_side_by_side() -> None:
+    result, _ = _bench("--link", "shm", "--compare-copy")
+    copied = result.pop("copy")
+    _check_shape(result, "shm", None)
+    assert set(copied) == {
+        "delta_total_s_median",
+        "delta_total_s_p95",
+        "apply_s_median",
+        "speedup",
+        "speedup_min",
+        "delta_ratio",
+        "apply_ratio",
+        "bit_exact",
+        "opened_by",
+    }
+    assert copied["bit_exact"] is True
+    # the warm-up delta copies (the other buffer was empty); from then on the last delta
+    # brings the other buffer to the base, unless the agent is told to copy
+    assert {r["opened_by"] for r in result["refits"]} == {"catch_up"}
+    assert copied["opened_by"] == ["copy"]
+    assert result["speedup_min"] <= result["speedup"]
+    assert result["delta_total_s_p95"] >= result["delta_total_s_median"]
 
 
 def test_bench_refit_sealed_compare_measures_the_cost_side_by_side() -> None:
