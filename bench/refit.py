@@ -29,7 +29,7 @@ run's medians and their ratios to the plain run's, so the cost of authentication
 side by side on the same machine.
 
 ``--compare-copy`` runs it all again with the apply agent copying the whole active buffer into
-the target before every delta (``catch_up = false``) and adds ``copy``: that run's medians and
+the target before every delta (``catch_up = "off"``) and adds ``copy``: that run's medians and
 the ratios to this run's, so what the sparse catch-up (deltarl/refit/catch_up.py) saves is
 measured side by side. Each result also gives the delta refits' P95 total and the smallest
 speedup over the refits (``speedup_min``: the full transfer over the slowest delta refit).
@@ -86,7 +86,7 @@ def _link_table(link: str, host: str, port: int, tmp: Path, sealed: bool) -> dic
 
 
 def _tables(
-    tmp: Path, params: int, link: dict[str, Any], ack_timeout_s: float, catch_up: bool = True
+    tmp: Path, params: int, link: dict[str, Any], ack_timeout_s: float, catch_up: str = "eager"
 ) -> dict:
     def ipc(name: str) -> str:
         return f"ipc://{tmp}/{name}"
@@ -226,8 +226,9 @@ class Refits:
             "activate_s": float(applied["verify_s"] + applied["commit_s"]),
             "total_s": float(last["total_s"]),
             "bit_exact": bit_exact,
-            # How the apply agent's target reached the delta's base (catch_up.py): "catch_up"
-            # (the last delta again), "copy" (the active buffer), "none" (it held it: a full).
+            # How the apply agent's target reached the delta's base (catch_up.py): "settled"
+            # (kept current after the last commit), "catch_up" (the last delta again, on the
+            # path), "copy" (the active buffer), "none" (a full version).
             "opened_by": str(self.d.fields("apply").get("last_opened_by")),
         }
         opened_at = applied["started_at"] - applied["open_s"]
@@ -270,7 +271,7 @@ def run(
     refits: int,
     *,
     sealed: bool = False,
-    catch_up: bool = True,
+    catch_up: str = "eager",
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end."""
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs for the stores; mkdtemp makes it private
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-copy",
         action="store_true",
         help="run again with the apply agent copying the active buffer before every delta "
-        "(catch_up = false) and report the difference, side by side",
+        "(catch_up = off) and report the difference, side by side",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args(argv)
@@ -400,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             sealed, _ = run(args.params, args.link, args.rate_mbit, args.refits, sealed=True)
             result["sealed"] = sealed_cost(result, sealed)
         if args.compare_copy:
-            copied, _ = run(args.params, args.link, args.rate_mbit, args.refits, catch_up=False)
+            copied, _ = run(args.params, args.link, args.rate_mbit, args.refits, catch_up="off")
             result["copy"] = copy_cost(result, copied)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)

@@ -102,7 +102,7 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
     copied = result.get("copy")
     if copied:
         lines.append(
-            f"copying the active buffer instead (catch_up = false), same machine, run after: "
+            f"copying the active buffer instead (catch_up = 'off'), same machine, run after: "
             f"median delta {copied['delta_total_s_median'] * 1e3:.1f} ms "
             f"({copied['delta_ratio']:.2f}x), P95 {copied['delta_total_s_p95'] * 1e3:.1f} ms, "
             f"apply {copied['apply_s_median'] * 1e3:.1f} ms ({copied['apply_ratio']:.2f}x), "

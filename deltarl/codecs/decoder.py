@@ -15,6 +15,7 @@ writes the same bits twice and is harmless. When target and reference are the sa
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -182,6 +183,21 @@ def _decode_chunk(
     return DecodedChunk(header, records, sparse, dense, len(buf))
 
 
+def owned(chunk: DecodedChunk) -> DecodedChunk:
+    """A copy of a decoded chunk that owns its arrays (a decode's are views into a scratch
+    that the next decode reuses): positions and coded values only, a few bytes a change."""
+    return DecodedChunk(
+        chunk.header,
+        list(chunk.records),
+        [
+            dataclasses.replace(b, positions=b.positions.copy(), zval=b.zval.copy())
+            for b in chunk.sparse
+        ],
+        [(h, coded.copy()) for h, coded in chunk.dense],
+        chunk.wire_bytes,
+    )
+
+
 def apply_chunk(
     chunk: DecodedChunk, layout: Layout, target: np.ndarray, reference: np.ndarray | None
 ) -> None:
@@ -266,9 +282,13 @@ class VersionApply:
         base: int | None,
         version: int,
         hash_chunks: bool = False,
+        keep: list[DecodedChunk] | None = None,
     ) -> None:
         """``hash_chunks``: hash each chunk applied (BLAKE2b-256), and let ``verify`` pass
-        only if the manifest lists the same hash for every chunk: for sealed manifests."""
+        only if the manifest lists the same hash for every chunk: for sealed manifests.
+        ``keep``: a list each chunk applied is appended to, decoded (``owned``), so the same
+        writes can be made again without decoding (deltarl/refit/catch_up.py)."""
+        self.keep = keep
         self.layout = layout
         self.target = target
         self.reference = reference
@@ -302,6 +322,8 @@ class VersionApply:
                 f"writing it; the target is partly written ({exc!r})"
             ) from exc
         self.applied[header.chunk_id] = header.checksum
+        if self.keep is not None:
+            self.keep.append(owned(decoded))
         if self.hash_chunks:
             self.hashes[header.chunk_id] = chunk_hash(data)
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from deltarl.config.base import DaemonTable
 from deltarl.config.checks import at_least, endpoints, non_negative, positive
@@ -140,12 +141,17 @@ class ApplyConfig(DaemonTable):
     versions wait: they may replace it. A version is proven only by its manifest, which comes
     last, so until then its chunks are unproven (forged, or from a sender that died); without
     this bound they would hold off every older real version for good."""
-    catch_up: bool = True
-    """Bring a delta's target buffer to its base with the last delta again (sparse) where
-    that delta bridges it, instead of copying the whole active buffer (deltarl/refit/
-    catch_up.py). False: always copy (what ``deltarl bench refit --compare-copy`` measures
-    against)."""
+    catch_up: Literal["eager", "on_open", "off"] = "eager"
+    """How the inactive buffer comes to hold a delta's base (deltarl/refit/catch_up.py):
+    ``eager``, by the last delta again right after each commit (off the refit's path; a
+    rollback then writes an undo back and verifies it); ``on_open``, the same when the next
+    delta opens; ``off``, a copy of the whole active buffer (what ``deltarl bench refit
+    --compare-copy`` measures against)."""
+    catch_up_max_bytes: int = 2 << 30
+    """The most memory a kept delta may hold (16 bytes a changed element); a larger one is
+    not kept, and the next delta copies."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         positive(self, "heartbeat_s", "layout_wait_s", "stalled_job_s", "lease_bound_s")
+        positive(self, "catch_up_max_bytes")

@@ -8,6 +8,7 @@ States:
 
     OPEN ---- first writable view, or copy_from_active ----> DIRTY (target marked WRITING)
     OPEN | DIRTY ---- commit(version) ----> COMMITTED (target READY as version, pointer flipped)
+    DIRTY --- settle(version) ----> SETTLED (target READY as version <= the active one, no flip)
     OPEN ---- abort ----> ABORTED (target untouched: it keeps its READY version)
     DIRTY --- abort ----> ABORTED (target EMPTY)
     DIRTY --- crash ----> target left WRITING; the next writer treats it as EMPTY
@@ -141,6 +142,22 @@ class WriteTxn:
         logger.debug(
             "weight store %s: version %d active in buffer %d", self.name, version, self.index
         )
+
+    def settle(self, version: int, *, digest: str | None = None) -> None:
+        """Mark the target READY as ``version`` without making it active: the inactive buffer
+        now holds that version too (the apply agent's eager catch-up, deltarl/refit/
+        catch_up.py). ``version`` may not exceed the active version: nothing newer may wait
+        in the inactive buffer, unverified, to be flipped to."""
+        self._check_live()
+        current = self.active_version
+        if current is None or version > current:
+            raise ValueError(
+                f"cannot settle version {version} in the inactive buffer: the active version "
+                f"is {current}"
+            )
+        self._pointer.set_digest(self.index, digest)
+        self._pointer.mark(self.index, BufferState.READY, version)  # I1: never flipped to here
+        self._close_fd()
 
     def abort(self) -> None:
         """End without committing; the active version stays as it was. Idempotent."""

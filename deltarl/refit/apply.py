@@ -7,8 +7,9 @@ manifest) of a new version opens a write transaction on the rollout store's inac
       | a delta whose base is not the active version -> refused: needs_full, RefitFailed
       v
     APPLYING  begin_write; a delta whose target buffer does not hold its base gets there
-      |       first: by the last delta again when it bridges the gap (catch_up.py: sparse),
-      |       else copy_from_active; each chunk is applied (reference: the active buffer),
+      |       first (catch_up.py: kept current after each commit by default; else by the
+      |       last delta again, or copy_from_active); each chunk is applied (reference: the
+      |       active buffer),
       |       then released; a chunk of a newer version abandons this one (failed)
       | manifest here and every chunk it lists applied
       v
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from deltarl.codecs.checksum import model_digest, tensor_digests
-from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply, check_frame
+from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply, check_frame, verify_tensors
 from deltarl.codecs.frame import (
     KIND_FULL,
     NO_BASE,
@@ -77,9 +78,15 @@ from deltarl.codecs.manifest import ManifestError, RefitManifest
 from deltarl.codecs.manifest_seal import SealError, open_sealed
 from deltarl.config.refit import ApplyConfig
 from deltarl.engine.daemon import DaemonContext, DaemonCore
-from deltarl.engine.weight_store import LeaseTimeout, RollbackError, WeightStore, WriteTxn
+from deltarl.engine.weight_store import (
+    LeaseTimeout,
+    RollbackError,
+    WeightStore,
+    WriterBusy,
+    WriteTxn,
+)
 from deltarl.ops import metrics
-from deltarl.refit.catch_up import KeptDelta
+from deltarl.refit.catch_up import KeptDelta, Undo
 from deltarl.refit.receiver_state import GetReceiverState, ReceiverState
 from deltarl.refit.relay import Relay
 from deltarl.transport.base import MAX_VERSION, ChunkReceiver, ReceivedChunk, ReceivedManifest
@@ -119,7 +126,8 @@ class _Job:
     kept: KeptDelta | None = None
     """A delta's chunks as applied, kept to bring the other buffer up to date next time."""
     opened_by: str = "none"
-    """How the target came to hold the base: "none" (it did), "catch_up", "copy"."""
+    """How the target came to hold the base: "settled" (kept current after the last commit),
+    "catch_up" (the last delta again, now), "copy", or "none" (a full version)."""
 
 
 class ApplyCore(DaemonCore):
@@ -156,10 +164,15 @@ class ApplyCore(DaemonCore):
         self.refused = 0
         self.revoked_leases = 0  # writes that revoked a lagging engine's lease (I4)
         # The last delta committed, to bring the other buffer up to date sparsely (catch_up.py);
-        # how each delta's target got to its base: counts by "catch_up" and "copy".
+        # how each delta's target got to its base: counts by "settled", "catch_up" and "copy".
         self.kept: KeptDelta | None = None
-        self.opened_by = {"catch_up": 0, "copy": 0}
+        self.opened_by = {"settled": 0, "catch_up": 0, "copy": 0}
         self._last_opened_by: str | None = None
+        # The last two committed versions' manifests (an eager catch-up's undo is verified
+        # against its base's), and the undo of the settled inactive buffer (catch_up.py).
+        self.manifests: dict[int, RefitManifest] = {}
+        self.undo: Undo | None = None
+        self.settle_failures = 0
         self.refused_items = 0  # chunks and manifests refused before any use (counted, logged)
         self.seal_failures = 0  # of those, manifests whose seal did not hold (forged?)
         # version -> chunk id -> why it was refused: a version whose manifest lists one of
@@ -277,12 +290,10 @@ class ApplyCore(DaemonCore):
                 return
             t = job.heard_at = time.monotonic()
             try:
-                fresh = await asyncio.to_thread(job.apply.apply, chunk.data)
+                await asyncio.to_thread(job.apply.apply, chunk.data)
             except (FrameError, ValueError) as e:
                 await self._fail(job.version, f"chunk {header.chunk_id}: {e}")
                 return
-            if fresh and job.kept is not None:
-                job.kept.chunks.append(bytes(chunk.data))  # the transport frees its own
             job.apply_s += time.monotonic() - t
             metrics.REFIT_WIRE_BYTES.inc(len(chunk.data))
         finally:
@@ -367,11 +378,19 @@ class ApplyCore(DaemonCore):
             return None
         if txn.revoked:
             self.revoked_leases += 1
+        # The other buffer is written from here on: what would undo its settled catch-up is
+        # void (a rollback now has only the store's flip, to whatever that buffer holds).
+        self.undo = None
         opened_by = "none"
         if base is not None and txn.base_version != base:
             # The target buffer holds an older version: bring it to the active one.
             opened_by = await self._bring_to_base(txn, base)
+        elif base is not None:
+            opened_by = "settled"
+            self.opened_by["settled"] += 1
         reference = txn.active if base is not None else None
+        catching = self.config.catch_up != "off"
+        kept = None if base is None or not catching else KeptDelta(version, base)
         apply = VersionApply(
             txn.layout,
             txn.buffer,
@@ -379,9 +398,10 @@ class ApplyCore(DaemonCore):
             base=base,
             version=version,
             hash_chunks=self.mac_key is not None,
+            keep=None if kept is None else kept.chunks,
         )
         self.job = _Job(version, base, slot, txn, apply, time.monotonic())
-        self.job.kept = None if base is None else KeptDelta(version, base)
+        self.job.kept = kept
         self.job.opened_by = opened_by
         self.job.open_s = self.job.started - opened  # begin_write (+ copy_from_active)
         self.job.heard_at = self.job.started
@@ -392,12 +412,14 @@ class ApplyCore(DaemonCore):
     async def _bring_to_base(self, txn: WriteTxn, base: int) -> str:
         """Make the target hold ``base`` (the active version): by the kept delta when it
         bridges the target's version to it, else by copying the active buffer."""
-        kept = self.kept if self.config.catch_up else None
+        kept = self.kept if self.config.catch_up != "off" else None
         if kept is not None and kept.brings(txn.base_version, base):
             try:
                 await asyncio.to_thread(kept.catch_up, txn.layout, txn.buffer)
-            except (FrameError, ValueError) as e:  # applied once already: should not happen
-                logger.warning("catch-up by version %d failed (%s): copying", kept.version, e)
+            except Exception as e:  # noqa: BLE001 - whatever it was, the copy below repairs it
+                # Applied once already, so this should not happen; the target may be half
+                # written, and the copy overwrites every byte of it.
+                logger.warning("catch-up by version %d failed (%r): copying", kept.version, e)
             else:
                 txn.brought_to(base)
                 self.opened_by["catch_up"] += 1
@@ -467,8 +489,19 @@ class ApplyCore(DaemonCore):
         t_done = time.monotonic()
         self._end_job(abort=False)
         # The other buffer now holds what this one held before: this delta brings it here.
-        self.kept = job.kept
+        kept = job.kept
+        if kept is not None and kept.nbytes > self.config.catch_up_max_bytes:
+            logger.info(
+                "version %d: its delta (%d MB decoded) is over catch_up_max_bytes: not kept",
+                job.version,
+                kept.nbytes >> 20,
+            )
+            kept = None
+        self.kept = kept
         self._last_opened_by = job.opened_by
+        self.manifests[job.version] = job.manifest
+        for old in [v for v in self.manifests if v < job.version - 1]:
+            del self.manifests[old]
         self._finish(job.version, "applied", job.base, job.slot)
         if job.base is None:
             self.needs_full = False
@@ -501,6 +534,36 @@ class ApplyCore(DaemonCore):
         )
         self._changed.set()
         await self.context.publish(VersionApplied(job.version, job.base, seconds))
+        if self.config.catch_up == "eager":
+            await self._settle_other()
+
+    async def _settle_other(self) -> None:
+        """Bring the inactive buffer (holding the previous version) to the active one with
+        the delta just committed, and keep what undoes it (catch_up.py, ``eager``). Off the
+        refit's path: the version is active and announced. Anything in the way (a reader
+        still on the old buffer, a writer, no manifest to verify an undo against) leaves the
+        buffer as it is; the next delta then copies."""
+        kept = self.kept
+        base_manifest = None if kept is None else self.manifests.get(kept.base)
+        if kept is None or base_manifest is None or self.draining:
+            return
+        try:
+            txn = await asyncio.to_thread(self.store.begin_write, 0.0)
+        except (LeaseTimeout, WriterBusy) as e:
+            logger.debug("inactive buffer not settled: %s", e)
+            return
+        try:
+            if not kept.brings(txn.base_version, self.store.active_version):
+                txn.abort()
+                return
+            undo = await asyncio.to_thread(kept.catch_up_with_undo, txn.layout, txn.buffer)
+            txn.settle(kept.version, digest=self.digests.get(kept.version))
+        except Exception as e:  # noqa: BLE001 - the buffer is marked EMPTY; the next copies
+            txn.abort()
+            self.settle_failures += 1
+            logger.warning("settling version %d in the inactive buffer failed: %r", kept.version, e)
+            return
+        self.undo = Undo(kept.version, kept.base, undo, base_manifest)
 
     async def _fail(
         self,
@@ -588,6 +651,12 @@ class ApplyCore(DaemonCore):
             # or a copy of the active buffer; and how the last one did.
             "opened_by": dict(self.opened_by),
             "last_opened_by": self._last_opened_by,
+            "catch_up": self.config.catch_up,
+            "settle_failures": self.settle_failures,
+            # A rollback from the active version writes this back (catch_up.py, ``eager``).
+            "undo": None
+            if self.undo is None
+            else {"holds": self.undo.holds, "restores": self.undo.restores},
             "refused_items": self.refused_items,
             "seal_failures": self.seal_failures,
             "sealed": self.mac_key is not None,
@@ -617,6 +686,9 @@ class ApplyCore(DaemonCore):
         async with self._lock:
             if self.job is not None:
                 await self._fail(self.job.version, "interrupted by a rollback")
+            undo = self.undo
+            if undo is not None and undo.holds == self.store.active_version:
+                return await self._roll_back_by_undo(undo, command.version)
             try:
                 # A version other than the one kept is refused, nothing flipped: an operator
                 # who asked for v must never be answered "ok" holding another.
@@ -625,6 +697,42 @@ class ApplyCore(DaemonCore):
                 return Error("no_previous_version", str(e))
             self._changed.set()
             return Ok(f"rolled back to version {previous}")
+
+    async def _roll_back_by_undo(self, undo: Undo, asked: int | None) -> Ok | Error:
+        """The inactive buffer was settled at the active version: write the undo back into it,
+        verify every tensor against the older version's manifest, and flip to it."""
+        if asked is not None and asked != undo.restores:
+            return Error(
+                "no_previous_version",
+                f"weight store {self.store.name!r}: version {asked} is not kept; the only "
+                f"older version is {undo.restores} (active {undo.holds})",
+            )
+        try:
+            txn = await asyncio.to_thread(self.store.begin_write, 5.0)
+        except (LeaseTimeout, WriterBusy) as e:
+            return Error("no_previous_version", f"cannot write the inactive buffer: {e}")
+        self.undo = None
+        if txn.base_version != undo.holds:  # cannot happen: every write voids the undo first
+            txn.abort()
+            return Error("no_previous_version", f"the inactive buffer no longer holds {undo.holds}")
+        try:
+            await asyncio.to_thread(undo.apply, txn.layout, txn.buffer)
+            await asyncio.to_thread(verify_tensors, txn.layout, txn.buffer, undo.manifest)
+        except (ChecksumMismatchError, ValueError) as e:
+            txn.abort()
+            metrics.CHECKSUM_FAILURES.inc()
+            logger.warning("rollback to %d by undo refused: %s", undo.restores, e)
+            return Error("no_previous_version", f"the undo of version {undo.holds} failed: {e}")
+        txn.commit(undo.restores, allow_older=True, digest=undo.manifest.model_xxh3_128)
+        self.kept = None  # the other buffer holds undo.holds: no delta bridges it to the active
+        logger.warning(
+            "weight store %s rolled back from version %d to %d (by undo)",
+            self.store.name,
+            undo.holds,
+            undo.restores,
+        )
+        self._changed.set()
+        return Ok(f"rolled back to version {undo.restores}")
 
 
 def _check_versions(version: int, base: int | None, label: int) -> None:

@@ -1,51 +1,135 @@
-"""Bringing the inactive buffer up to date with the delta it missed, instead of a full copy.
+"""Keeping the inactive buffer current with the delta it missed, instead of copying the model.
 
-The store keeps two buffers. When version v becomes active, the other buffer still holds v-1
-(the rollback target). The next delta, v -> v+1, is written into that buffer, so it must
-first hold v. Copying the whole active buffer does that at memory speed for the whole model
-(30-40 ms for 98M bf16 parameters here, before the first chunk can land); applying the delta
-v-1 -> v again, which this agent received and applied moments ago and which is sparse, touches
-only the elements that changed.
+The store keeps two buffers. When version v becomes active, the other buffer still holds v-1.
+The next delta, v -> v+1, is written into that buffer, so it must first hold v. Copying the
+whole active buffer does that at memory speed, on the refit's path. The delta v-1 -> v, which
+this agent applied moments ago, does it by touching only the elements that changed.
 
-So the agent keeps the chunks of the last delta it committed (``KeptDelta``: their bytes, a
-few MB at RL learning rates) and, when a new delta's target buffer holds exactly that delta's
-base and the active version is that delta's version, applies them to the target in place
-(``catch_up``). Anything else (a full version in between, a rollback, a restart, a failed
-version, a chain with a gap) falls back to the copy. Nothing is trusted that is not checked:
-the new version's verify hashes every tensor of the target before the flip, so a catch-up that
-went wrong fails that version (and the export agent resends it), never activates bad bytes.
-The rollback target is untouched until a new version is written, as before.
+The agent keeps the last delta it committed, decoded as it was applied (``KeptDelta``: each
+changed element's position and coded value, 16 bytes a change as decoded: 40 MB for 2.5M
+changes; none is kept over ``catch_up_max_bytes``), and uses it in one of two ways
+(``catch_up`` in ``[daemons.apply]``):
+
+- ``eager`` (the default): right after v is committed and announced, the other buffer is
+  brought from v-1 to v and *settled* (READY as v, never flipped to: ``WriteTxn.settle``).
+  The next delta's target already holds its base, so its apply touches only the elements it
+  changes; the catch-up is off the refit's path. The one-flip rollback to v-1 is then gone
+  (both buffers hold v), so the catch-up keeps an undo (``Undo``: every element it wrote, as
+  the XOR of old and new bits) and v-1's manifest: a rollback writes the undo back into the
+  other buffer, verifies every tensor against v-1's manifest, and flips (a sparse write and a
+  verify instead of a flip alone).
+- ``on_open``: the same writes are made when the next delta opens, on its path: what is
+  saved is a copy, at the price of the scatter (measured by ``deltarl bench refit
+  --compare-copy``: at a few percent of elements changed, a scatter touches nearly every cache
+  line, so it costs about what the copy does). The one-flip rollback stays.
+- ``off``: always copy (the baseline the bench compares with).
+
+Anything that breaks the chain (a full version, a rollback, a restart, a failed catch-up)
+falls back to the copy. Nothing is trusted that is not checked: a buffer is only ever made
+active by a commit after the new version's verify has hashed every tensor, or by a rollback
+whose undo was verified against its manifest, so a catch-up that went wrong fails a version
+(which the export agent resends), never activates bad bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from deltarl.codecs.decoder import VersionApply
+from deltarl.codecs.decoder import DecodedChunk, SparseBatch, apply_chunk
+from deltarl.codecs.frame import VAL_XOR
+from deltarl.codecs.manifest import RefitManifest
 from deltarl.engine.layout import Layout
+
+BYTES_PER_CHANGE = 16
+"""What a kept change costs as decoded: its position (int64) and coded value (uint64)."""
 
 
 @dataclass
 class KeptDelta:
-    """The chunks of one delta ``base -> version`` as they were applied (each once)."""
+    """The chunks of one delta ``base -> version``, decoded, as they were applied (each once)."""
 
     version: int
     base: int
-    chunks: list[bytes] = field(default_factory=list)
+    chunks: list[DecodedChunk] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(c) for c in self.chunks)
+        """Memory held: positions and coded values."""
+        return sum(b.positions.nbytes + b.zval.nbytes for c in self.chunks for b in c.sparse) + sum(
+            coded.nbytes for c in self.chunks for _, coded in c.dense
+        )
 
     def brings(self, holds: int | None, active: int | None) -> bool:
         """Whether applying it to a buffer that ``holds`` a version yields ``active``."""
         return holds is not None and holds == self.base and active == self.version
 
     def catch_up(self, layout: Layout, target: np.ndarray) -> None:
-        """Apply the kept chunks to ``target`` (holding ``base``) in place: afterwards it holds
-        ``version``. Raises what the decoder raises (FrameError, ValueError) on a bad chunk."""
-        apply = VersionApply(layout, target, target, base=self.base, version=self.version)
+        """Make the kept writes to ``target`` (holding ``base``) in place: afterwards it holds
+        ``version``. The coded values read the reference, which is the target itself: each
+        element is read before it is written."""
         for chunk in self.chunks:
-            apply.apply(chunk)
+            apply_chunk(chunk, layout, target, target)
+
+    def catch_up_with_undo(self, layout: Layout, target: np.ndarray) -> list[DecodedChunk]:
+        """``catch_up``, returning what undoes it: the same positions, each with the XOR of
+        its old and new bits (chunks ``apply_chunk`` writes back)."""
+        undo = []
+        for chunk in self.chunks:
+            before = [_gather(layout, target, b) for b in chunk.sparse]
+            dense_before = [_dense(layout, target, h).copy() for h, _ in chunk.dense]
+            apply_chunk(chunk, layout, target, target)
+            sparse = [
+                dataclasses.replace(
+                    b,
+                    codings=np.full_like(b.codings, VAL_XOR),
+                    zval=(old ^ _gather(layout, target, b)).astype(b.zval.dtype),
+                )
+                for b, old in zip(chunk.sparse, before, strict=True)
+            ]
+            dense = [
+                (dataclasses.replace(h, val_coding=VAL_XOR), old ^ _dense(layout, target, h))
+                for (h, _), old in zip(chunk.dense, dense_before, strict=True)
+            ]
+            undo.append(DecodedChunk(chunk.header, list(chunk.records), sparse, dense, 0))
+        return undo
+
+
+def _indices(layout: Layout, b: SparseBatch) -> np.ndarray:
+    """Every element a sparse batch writes, as an index into the buffer viewed at its width."""
+    first = (
+        np.array([layout.tensors[t].offset // b.itemsize for t in b.tensor_ids], np.int64)
+        + b.starts
+    )
+    out = np.empty(int(b.counts.sum()), np.int64)
+    for i in range(len(first)):
+        o, n = int(b.out_off[i]), int(b.counts[i])
+        out[o : o + n] = first[i] + b.positions[o : o + n].astype(np.int64)
+    return out
+
+
+def _gather(layout: Layout, target: np.ndarray, b: SparseBatch) -> np.ndarray:
+    bits = target.view(np.dtype(f"<u{b.itemsize}"))
+    return bits[_indices(layout, b)].astype(np.uint64)
+
+
+def _dense(layout: Layout, target: np.ndarray, h: object) -> np.ndarray:
+    t = layout.view(target, h.tensor_id)  # type: ignore[attr-defined]
+    return t[h.start : h.start + h.length]  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What brings the settled inactive buffer from ``holds`` back to ``restores``, and the
+    manifest it is verified against before a rollback flips to it."""
+
+    holds: int
+    restores: int
+    chunks: list[DecodedChunk]
+    manifest: RefitManifest
+
+    def apply(self, layout: Layout, target: np.ndarray) -> None:
+        for chunk in self.chunks:
+            apply_chunk(chunk, layout, target, target)

@@ -1,6 +1,7 @@
-"""The apply agent brings the inactive buffer to the active version with the last delta again
-(deltarl/refit/catch_up.py) instead of copying the whole model, falls back to the copy when
-the chain is broken, and never activates a byte the verify did not pass."""
+"""The apply agent keeps the inactive buffer current with the last delta (deltarl/refit/
+catch_up.py) instead of copying the whole model: eagerly after each commit (the default, with
+an undo for the rollback) or when the next delta opens; it falls back to the copy when the
+chain is broken, and never activates a byte that no verify passed."""
 
 from __future__ import annotations
 
@@ -10,10 +11,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deltarl.codecs.decoder import decode_chunk, owned
+from deltarl.config.refit import ApplyConfig
 from deltarl.engine.layout import Layout
-from deltarl.refit.catch_up import KeptDelta
-from deltarl.transport.messages import Ok, Rollback, VersionApplied
-from tests.refit.test_apply_core import Sender, _core, _versions
+from deltarl.engine.weight_store import WeightStore
+from deltarl.refit.apply import ApplyCore
+from deltarl.refit.catch_up import KeptDelta, Undo
+from deltarl.transport.base import make_receiver
+from deltarl.transport.link_config import ShmLinkConfig
+from deltarl.transport.messages import Error, Ok, Rollback, VersionApplied
+from tests.refit.test_apply_core import FeedContext, Sender, _versions
+
+
+def _core(
+    tmp: Path, layout: Layout, catch_up: str = "on_open"
+) -> tuple[ApplyCore, FeedContext, WeightStore]:
+    store = WeightStore.create("r", layout, root=tmp)
+    link = ShmLinkConfig(name="t", root=tmp)
+    cfg = ApplyConfig(
+        control="ipc:///unused",
+        rollout_store="r",
+        link=link,
+        catch_up=catch_up,  # type: ignore[arg-type]
+    )
+    context = FeedContext()
+    return ApplyCore(cfg, context, store, make_receiver(link)), context, store
+
+
+def _buffers(store: WeightStore) -> list[tuple[str, int | None, bool]]:
+    return [(b["state"], b["version"], b["active"]) for b in store.status()["buffers"]]
 
 
 def run(coro: object) -> None:
@@ -21,10 +47,10 @@ def run(coro: object) -> None:
 
 
 def test_a_chain_of_deltas_catches_up_after_the_first_copy(tmp_path: Path) -> None:
-    """Full 0, then deltas 1..5: delta 1 finds the other buffer empty (copy); from delta 2 on,
-    the other buffer holds the version before the active one, and the last delta bridges it.
-    Each version is bit-exact, and after each commit the other buffer still holds the version
-    before (the rollback target)."""
+    """``on_open``. Full 0, then deltas 1..5: delta 1 finds the other buffer empty (copy);
+    from delta 2 on, the other buffer holds the version before the active one, and the last
+    delta bridges it. Each version is bit-exact, and after each commit the other buffer still
+    holds the version before (the rollback target)."""
     layout, vs = _versions(6)
     tx = Sender(layout, vs)
 
@@ -37,7 +63,7 @@ def test_a_chain_of_deltas_catches_up_after_the_first_copy(tmp_path: Path) -> No
                 assert snap.version == v
                 assert np.array_equal(snap.buffer, vs[v])
         status = core.status_fields()
-        assert status["opened_by"] == {"copy": 1, "catch_up": 4}
+        assert status["opened_by"] == {"settled": 0, "copy": 1, "catch_up": 4}
         assert status["last_opened_by"] == "catch_up"
         assert [e.version for e in context.events if isinstance(e, VersionApplied)] == list(
             range(6)
@@ -62,12 +88,12 @@ def test_a_broken_chain_falls_back_to_the_copy(tmp_path: Path) -> None:
         await tx.send(core, 1, *tx.encoded(1, 0))  # copy (the other buffer was empty)
         await tx.send(core, 2, *tx.encoded(2, None))  # a full version: nothing kept
         await tx.send(core, 3, *tx.encoded(3, 2))  # copy
-        assert core.status_fields()["opened_by"] == {"copy": 2, "catch_up": 0}
+        assert core.status_fields()["opened_by"] == {"settled": 0, "copy": 2, "catch_up": 0}
         await tx.send(core, 4, *tx.encoded(4, 3))  # the other buffer holds 2: delta 3 bridges
-        assert core.status_fields()["opened_by"] == {"copy": 2, "catch_up": 1}
+        assert core.status_fields()["opened_by"] == {"settled": 0, "copy": 2, "catch_up": 1}
         await core.on_rollback(Rollback(version=3))  # active 3; the other buffer holds 4
         await tx.send(core, 5, *tx.encoded(5, 3))  # kept 3->4 does not bring 4 to 3: copy
-        assert core.status_fields()["opened_by"] == {"copy": 3, "catch_up": 1}
+        assert core.status_fields()["opened_by"] == {"settled": 0, "copy": 3, "catch_up": 1}
         with store.lease() as snap:
             assert (snap.version, np.array_equal(snap.buffer, vs[5])) == (5, True)
         store.close()
@@ -75,9 +101,17 @@ def test_a_broken_chain_falls_back_to_the_copy(tmp_path: Path) -> None:
     run(go())
 
 
-def test_a_kept_delta_the_decoder_refuses_falls_back_to_the_copy(tmp_path: Path) -> None:
-    """Fault injection: the kept chunks are another version's (3 -> 4, not 1 -> 2). The
-    decoder refuses them before writing; the agent copies instead, and the version applies."""
+class _Crashing(KeptDelta):
+    """A catch-up that writes garbage into part of the target, then fails."""
+
+    def catch_up(self, layout: Layout, target: np.ndarray) -> None:
+        target[: target.size // 3] = 0xA5
+        raise RuntimeError("injected: the catch-up died half way")
+
+
+def test_a_catch_up_that_fails_half_way_is_repaired_by_the_copy(tmp_path: Path) -> None:
+    """Fault injection: the catch-up writes part of the target and raises. The agent copies the
+    active buffer over it instead, and the version applies bit-exact."""
     layout, vs = _versions(5)
     tx = Sender(layout, vs)
 
@@ -87,7 +121,8 @@ def test_a_kept_delta_the_decoder_refuses_falls_back_to_the_copy(tmp_path: Path)
             await tx.send(core, v, *tx.encoded(v, base))
         assert core.kept is not None
         assert (core.kept.base, core.kept.version) == (1, 2)
-        core.kept = KeptDelta(2, 1, tx.encoded(4, 3)[0])
+        assert core.kept.nbytes > 0
+        core.kept = _Crashing(2, 1, core.kept.chunks)
         await tx.send(core, 3, *tx.encoded(3, 2))
         assert core.status_fields()["last_opened_by"] == "copy"
         with store.lease() as snap:
@@ -109,7 +144,9 @@ def test_a_catch_up_that_goes_wrong_never_activates_bad_bytes(tmp_path: Path) ->
         for v, base in ((0, None), (1, 0), (2, 1)):
             await tx.send(core, v, *tx.encoded(v, base))
         forged = tx.enc.encode(vs[4], vs[1], target_version=2, base_version=1)
-        core.kept = KeptDelta(2, 1, [c.data for c in forged])
+        core.kept = KeptDelta(
+            2, 1, [owned(decode_chunk(c.data, layout, base=1, target=2)) for c in forged]
+        )
         await tx.send(core, 3, *tx.encoded(3, 2))
         state = core.receiver_state()
         assert (state.active_version, state.failed_version) == (2, 3)
@@ -127,8 +164,8 @@ def test_a_catch_up_that_goes_wrong_never_activates_bad_bytes(tmp_path: Path) ->
 
 
 def test_kept_delta_bridges_only_its_own_base_to_its_own_version() -> None:
-    k = KeptDelta(5, 4, [b"x" * 3, b"y"])
-    assert k.nbytes == 4
+    k = KeptDelta(5, 4)
+    assert k.nbytes == 0
     assert k.brings(4, 5)
     assert not k.brings(3, 5)
     assert not k.brings(4, 6)
@@ -143,7 +180,113 @@ def test_catch_up_in_place_equals_the_version(steps: int) -> None:
     tx = Sender(layout, vs)
     for v in range(1, steps + 1):
         chunks, _ = tx.encoded(v, v - 1)
+        decoded = [owned(decode_chunk(c, layout, base=v - 1, target=v)) for c in chunks]
         buf = vs[v - 1].copy()
-        KeptDelta(v, v - 1, chunks).catch_up(layout, buf)
+        KeptDelta(v, v - 1, decoded).catch_up(layout, buf)
         assert np.array_equal(buf, vs[v])
     assert isinstance(layout, Layout)
+
+
+def test_eager_keeps_the_inactive_buffer_current_and_rolls_back_by_undo(tmp_path: Path) -> None:
+    """``eager`` (the default). Full 0, deltas 1..5: delta 1 copies (the other buffer was
+    empty); after each commit the other buffer is settled at the active version, so every
+    later delta opens on its base ("settled"): no copy, no catch-up on the refit's path. Both
+    buffers then hold the active version; a rollback writes the undo back, verifies version 4
+    and flips to it, bit-exact. The next delta (on 4) copies: the other buffer holds 5."""
+    layout, vs = _versions(7)
+    tx = Sender(layout, vs)
+
+    async def go() -> None:
+        core, _, store = _core(tmp_path, layout, catch_up="eager")
+        assert core.config.catch_up == ApplyConfig.catch_up == "eager"  # the default
+        await tx.send(core, 0, *tx.encoded(0, None))
+        assert core.undo is None  # a full version: nothing to settle with
+        for v in range(1, 6):
+            await tx.send(core, v, *tx.encoded(v, v - 1))
+            with store.lease() as snap:
+                assert (snap.version, np.array_equal(snap.buffer, vs[v])) == (v, True)
+            assert sorted(_buffers(store)) == [("READY", v, False), ("READY", v, True)]
+            assert core.undo is not None
+            assert (core.undo.holds, core.undo.restores) == (v, v - 1)
+        assert core.status_fields()["opened_by"] == {"settled": 4, "copy": 1, "catch_up": 0}
+        assert core.status_fields()["undo"] == {"holds": 5, "restores": 4}
+        wrong = await core.on_rollback(Rollback(version=3))
+        assert isinstance(wrong, Error)
+        assert "the only older version is 4" in wrong.message
+        assert core.undo is not None  # a refused request changes nothing
+        assert await core.on_rollback(Rollback(version=4)) == Ok("rolled back to version 4")
+        with store.lease() as snap:
+            assert (snap.version, np.array_equal(snap.buffer, vs[4])) == (4, True)
+        assert sorted(_buffers(store)) == [("READY", 4, True), ("READY", 5, False)]
+        await tx.send(core, 6, *tx.encoded(6, 4))  # the other buffer holds 5: copy
+        with store.lease() as snap:
+            assert (snap.version, np.array_equal(snap.buffer, vs[6])) == (6, True)
+        assert core.status_fields()["last_opened_by"] == "copy"
+        store.close()
+
+    run(go())
+
+
+def test_an_undo_that_does_not_verify_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """Fault injection: the undo is swapped for one that writes other values. The rollback
+    verifies every tensor against the older version's manifest, refuses, and the active
+    version stays, bit-exact."""
+    layout, vs = _versions(4)
+    tx = Sender(layout, vs)
+
+    async def go() -> None:
+        core, _, store = _core(tmp_path, layout, catch_up="eager")
+        for v, base in ((0, None), (1, 0), (2, 1), (3, 2)):
+            await tx.send(core, v, *tx.encoded(v, base))
+        undo = core.undo
+        assert undo is not None
+        other = tx.enc.encode(vs[0], vs[3], target_version=3, base_version=2)
+        bogus = [owned(decode_chunk(c.data, layout, base=2, target=3)) for c in other]
+        core.undo = Undo(undo.holds, undo.restores, bogus, undo.manifest)
+        refused = await core.on_rollback(Rollback())
+        assert isinstance(refused, Error)
+        assert "failed" in refused.message
+        with store.lease() as snap:
+            assert (snap.version, np.array_equal(snap.buffer, vs[3])) == (3, True)
+        store.close()
+
+    run(go())
+
+
+class _SettleCrash(KeptDelta):
+    def catch_up_with_undo(self, layout: Layout, target: np.ndarray) -> list:
+        target[: target.size // 2] = 0x5A
+        raise RuntimeError("injected: settling died half way")
+
+
+def test_a_settle_that_fails_leaves_the_next_delta_to_copy(tmp_path: Path) -> None:
+    """Fault injection: settling the inactive buffer writes half of it and raises. That buffer
+    is marked EMPTY (never flipped to); the active version is untouched; the next delta
+    copies; a rollback says there is nothing to roll back to."""
+    layout, vs = _versions(4)
+    tx = Sender(layout, vs)
+
+    async def go() -> None:
+        core, _, store = _core(tmp_path, layout, catch_up="eager")
+        for v, base in ((0, None), (1, 0)):
+            await tx.send(core, v, *tx.encoded(v, base))
+        original = KeptDelta.catch_up_with_undo
+        try:
+            KeptDelta.catch_up_with_undo = _SettleCrash.catch_up_with_undo  # type: ignore[method-assign]
+            await tx.send(core, 2, *tx.encoded(2, 1))
+        finally:
+            KeptDelta.catch_up_with_undo = original  # type: ignore[method-assign]
+        assert core.status_fields()["settle_failures"] == 1
+        assert core.undo is None
+        assert sorted(_buffers(store)) == [("EMPTY", None, False), ("READY", 2, True)]
+        with store.lease() as snap:
+            assert (snap.version, np.array_equal(snap.buffer, vs[2])) == (2, True)
+        refused = await core.on_rollback(Rollback())
+        assert isinstance(refused, Error)
+        await tx.send(core, 3, *tx.encoded(3, 2))
+        assert core.status_fields()["last_opened_by"] == "copy"
+        with store.lease() as snap:
+            assert (snap.version, np.array_equal(snap.buffer, vs[3])) == (3, True)
+        store.close()
+
+    run(go())
