@@ -220,6 +220,21 @@ def test_three_hosts_train_and_prove_every_engine(cluster: Cluster) -> None:
     # C's versions crossed the shaped link, relayed by B: at least the full version 0.
     assert cluster.hosts.shaped_bytes() > int(recent[0]["wire_bytes"]), recent[0]
 
+    # Each engine generates: groups submitted, or tokens of groups the scheduler had the
+    # engine abort because they fell behind the lag bound while generating (a slow host's
+    # first ones). Waited for, not read at one instant: on two loaded cores the faster host
+    # can fill the first STEPS steps while the slower one's first groups are still running
+    # (seen once here: host C held 8 groups, 0 done, when the trainer paused). Its groups'
+    # pool slots are reserved at issue, so they can still be submitted after the pause.
+    def made(st: dict) -> int:
+        return int(st.get("submitted_groups") or 0) + int(st.get("aborted_groups") or 0)
+
+    cluster.wait_for(
+        "every engine to have generated",
+        lambda: all(made(cluster.now(f"{h}-{e}")) > 0 for h, e in ENGINES.items()),
+        timeout=180,
+    )
+
     # Each engine proved every load against the manifest's digest, and generated.
     refit_s: dict[str, list[float]] = {}
     for host, engine in ENGINES.items():
@@ -230,10 +245,7 @@ def test_three_hosts_train_and_prove_every_engine(cluster: Cluster) -> None:
         assert all(r["verified"] for r in loads), loads
         assert st["mismatches"] == 0, st
         assert st["unverified"] is None, st
-        # Generated: groups submitted, or tokens of groups the scheduler had the engine abort
-        # because they fell behind the lag bound while generating (a slow host's first ones).
-        made = st["submitted_groups"] + st["aborted_groups"]
-        assert made > 0, f"{engine} on host {host} generated nothing: {st}"
+        assert made(st) > 0, f"{engine} on host {host} generated nothing: {st}"
         refit_s[host] = [float(r["done"]) - taken[int(r["version"])] for r in loads[1:]]
 
     # An operator on host A reaches both apply agents over CURVE ...

@@ -38,6 +38,13 @@ def _core(
     return ApplyCore(cfg, context, store, make_receiver(link)), context, store
 
 
+def assert_active(store: WeightStore, vs: list[np.ndarray], version: int) -> None:
+    """The store's active version is ``version``, bit for bit."""
+    with store.lease() as snap:
+        assert snap.version == version
+        assert np.array_equal(snap.buffer, vs[version])
+
+
 def _buffers(store: WeightStore) -> list[tuple[str, int | None, bool]]:
     return [(b["state"], b["version"], b["active"]) for b in store.status()["buffers"]]
 
@@ -94,8 +101,7 @@ def test_a_broken_chain_falls_back_to_the_copy(tmp_path: Path) -> None:
         await core.on_rollback(Rollback(version=3))  # active 3; the other buffer holds 4
         await tx.send(core, 5, *tx.encoded(5, 3))  # kept 3->4 does not bring 4 to 3: copy
         assert core.status_fields()["opened_by"] == {"settled": 0, "copy": 3, "catch_up": 1}
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[5])) == (5, True)
+        assert_active(store, vs, 5)
         store.close()
 
     run(go())
@@ -125,8 +131,7 @@ def test_a_catch_up_that_fails_half_way_is_repaired_by_the_copy(tmp_path: Path) 
         core.kept = _Crashing(2, 1, core.kept.chunks)
         await tx.send(core, 3, *tx.encoded(3, 2))
         assert core.status_fields()["last_opened_by"] == "copy"
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[3])) == (3, True)
+        assert_active(store, vs, 3)
         store.close()
 
     run(go())
@@ -155,8 +160,7 @@ def test_a_catch_up_that_goes_wrong_never_activates_bad_bytes(tmp_path: Path) ->
             assert np.array_equal(snap.buffer, vs[2])
         core.finished.pop(3)  # a re-send in a new slot is accepted the same way
         await tx.send(core, 3, *tx.encoded(3, 2))
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[3])) == (3, True)
+        assert_active(store, vs, 3)
         assert core.status_fields()["last_opened_by"] == "copy"
         store.close()
 
@@ -203,8 +207,7 @@ def test_eager_keeps_the_inactive_buffer_current_and_rolls_back_by_undo(tmp_path
         assert core.undo is None  # a full version: nothing to settle with
         for v in range(1, 6):
             await tx.send(core, v, *tx.encoded(v, v - 1))
-            with store.lease() as snap:
-                assert (snap.version, np.array_equal(snap.buffer, vs[v])) == (v, True)
+            assert_active(store, vs, v)
             assert sorted(_buffers(store)) == [("READY", v, False), ("READY", v, True)]
             assert core.undo is not None
             assert (core.undo.holds, core.undo.restores) == (v, v - 1)
@@ -215,12 +218,10 @@ def test_eager_keeps_the_inactive_buffer_current_and_rolls_back_by_undo(tmp_path
         assert "the only older version is 4" in wrong.message
         assert core.undo is not None  # a refused request changes nothing
         assert await core.on_rollback(Rollback(version=4)) == Ok("rolled back to version 4")
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[4])) == (4, True)
+        assert_active(store, vs, 4)
         assert sorted(_buffers(store)) == [("READY", 4, True), ("READY", 5, False)]
         await tx.send(core, 6, *tx.encoded(6, 4))  # the other buffer holds 5: copy
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[6])) == (6, True)
+        assert_active(store, vs, 6)
         assert core.status_fields()["last_opened_by"] == "copy"
         store.close()
 
@@ -246,20 +247,20 @@ def test_an_undo_that_does_not_verify_is_refused_and_changes_nothing(tmp_path: P
         refused = await core.on_rollback(Rollback())
         assert isinstance(refused, Error)
         assert "failed" in refused.message
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[3])) == (3, True)
+        assert_active(store, vs, 3)
         store.close()
 
     run(go())
 
 
-class _SettleCrash(KeptDelta):
-    def catch_up_with_undo(self, layout: Layout, target: np.ndarray) -> list:
-        target[: target.size // 2] = 0x5A
-        raise RuntimeError("injected: settling died half way")
+def _settle_crash(self: KeptDelta, layout: Layout, target: np.ndarray) -> list:
+    target[: target.size // 2] = 0x5A
+    raise RuntimeError("injected: settling died half way")
 
 
-def test_a_settle_that_fails_leaves_the_next_delta_to_copy(tmp_path: Path) -> None:
+def test_a_settle_that_fails_leaves_the_next_delta_to_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Fault injection: settling the inactive buffer writes half of it and raises. That buffer
     is marked EMPTY (never flipped to); the active version is untouched; the next delta
     copies; a rollback says there is nothing to roll back to."""
@@ -270,23 +271,18 @@ def test_a_settle_that_fails_leaves_the_next_delta_to_copy(tmp_path: Path) -> No
         core, _, store = _core(tmp_path, layout, catch_up="eager")
         for v, base in ((0, None), (1, 0)):
             await tx.send(core, v, *tx.encoded(v, base))
-        original = KeptDelta.catch_up_with_undo
-        try:
-            KeptDelta.catch_up_with_undo = _SettleCrash.catch_up_with_undo  # type: ignore[method-assign]
+        with monkeypatch.context() as m:
+            m.setattr(KeptDelta, "catch_up_with_undo", _settle_crash)
             await tx.send(core, 2, *tx.encoded(2, 1))
-        finally:
-            KeptDelta.catch_up_with_undo = original  # type: ignore[method-assign]
         assert core.status_fields()["settle_failures"] == 1
         assert core.undo is None
         assert sorted(_buffers(store)) == [("EMPTY", None, False), ("READY", 2, True)]
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[2])) == (2, True)
+        assert_active(store, vs, 2)
         refused = await core.on_rollback(Rollback())
         assert isinstance(refused, Error)
         await tx.send(core, 3, *tx.encoded(3, 2))
         assert core.status_fields()["last_opened_by"] == "copy"
-        with store.lease() as snap:
-            assert (snap.version, np.array_equal(snap.buffer, vs[3])) == (3, True)
+        assert_active(store, vs, 3)
         store.close()
 
     run(go())
