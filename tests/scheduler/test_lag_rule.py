@@ -144,7 +144,7 @@ def test_partial_never_aborts_a_held_group_as_doomed(tmp_path: Path) -> None:
     run(go())
 
 
-def test_the_figures_survive_a_reopen_and_go_with_retention_and_restore(tmp_path: Path) -> None:
+def test_the_figures_survive_a_reopen_and_go_with_a_restore(tmp_path: Path) -> None:
     async def go() -> None:
         svc, store, _ = make_service(
             tmp_path, on_lag_exceeded="drop", max_policy_lag_steps=1, lag_rule="partial"
