@@ -405,7 +405,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "history_groups": plan.history_groups,
         "cost_model": asdict(plan.cost),
         "order": list(plan.order),
-        "predicted_tokens": [round(x, 3) for x in plan.predicted_tokens],
+        # Unrounded: the batches' totals are sums of these, and a loader checks them (a plan
+        # rounded to 3 decimals was refused by the scheduler that was to load it).
+        "predicted_tokens": list(plan.predicted_tokens),
         "sources": list(plan.sources),
         "batches": [asdict(b) for b in plan.batches],
         "schedule_groups": [

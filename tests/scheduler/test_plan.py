@@ -132,6 +132,26 @@ def test_a_plan_round_trips_and_validates(tmp_path):
     assert not list(tmp_path.glob(".p.json.*"))  # the temporary file is gone
 
 
+def test_a_plan_with_fractional_predictions_loads_as_written(tmp_path):
+    """Predictions from history means are fractions; the file once rounded them to 3 decimals
+    while the batches' totals kept full precision, and the scheduler refused the plan that
+    ``deltarl plan`` had just written ("predicted tokens do not add up")."""
+    plan = make()
+    tokens = tuple(t + 1 / 3 + i / 7 for i, t in enumerate(plan.predicted_tokens))
+    batches = tuple(
+        dataclasses.replace(
+            b, predicted_tokens=plan.group_size * sum(tokens[i] for i in range(b.start, b.end))
+        )
+        for b in plan.batches
+    )
+    fractional = dataclasses.replace(plan, predicted_tokens=tokens, batches=batches)
+    validate(fractional)
+    path = tmp_path / "p.json"
+    write_plan(fractional, path)
+    loaded, _ = load_plan(path)
+    assert loaded.predicted_tokens == tokens
+
+
 @pytest.mark.parametrize(
     "tamper",
     [
