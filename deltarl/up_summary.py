@@ -182,8 +182,7 @@ def summarise(run: Run) -> dict[str, Any]:
         "wasted_curve": [{"step": int(r["step"]), "ratio": r.get("wasted_ratio")} for r in rows],
         # What partial rollouts cost instead (lag_rule): the trained tokens' mean age in
         # versions, and the share of them more than the bound behind, over the run.
-        "token_lag_mean": _token_lag(rows)[0],
-        "over_bound_token_ratio": _token_lag(rows)[1],
+        **dict(zip(("token_lag_mean", "over_bound_token_ratio"), _token_lag(rows), strict=True)),
         # Per step: the lag and the bubbles, as recorded (what the curves PNG draws).
         "step_curve": [
             {

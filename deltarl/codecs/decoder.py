@@ -98,6 +98,11 @@ class SparseBatch:
     positions: np.ndarray  # uint32: ascending within a record, relative to its start
     zval: np.ndarray  # uintN (the element width): coded values
 
+    def bases(self, layout: Layout) -> np.ndarray:
+        """Each record's first element, as an index into the buffer viewed at this width."""
+        offsets = np.array([layout.tensors[t].offset for t in self.tensor_ids], np.int64)
+        return offsets // self.itemsize + self.starts
+
 
 @dataclass(frozen=True)
 class DecodedChunk:
@@ -211,7 +216,7 @@ def apply_chunk(
         reference = target  # never read: every record carries raw values
     for batch in chunk.sparse:
         bits = np.dtype(f"<u{batch.itemsize}")
-        offsets = np.array([layout.tensors[t].offset for t in batch.tensor_ids], np.int64)
+        bases = batch.bases(layout)
         is_float = np.array(
             [dtype_of(layout.tensors[t].dtype).kind == "float" for t in batch.tensor_ids]
         )
@@ -224,7 +229,7 @@ def apply_chunk(
                 kernels.scatter_sparse(
                     target.view(bits),
                     reference.view(bits),
-                    offsets[sel] // batch.itemsize + batch.starts[sel],
+                    bases[sel],
                     batch.counts[sel],
                     batch.out_off[sel],
                     batch.positions,

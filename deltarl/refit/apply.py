@@ -387,7 +387,8 @@ class ApplyCore(DaemonCore):
             opened_by = await self._bring_to_base(txn, base)
         elif base is not None:
             opened_by = "settled"
-            self.opened_by["settled"] += 1
+        if opened_by != "none":
+            self.opened_by[opened_by] += 1
         reference = txn.active if base is not None else None
         catching = self.config.catch_up != "off"
         kept = None if base is None or not catching else KeptDelta(version, base)
@@ -411,8 +412,9 @@ class ApplyCore(DaemonCore):
 
     async def _bring_to_base(self, txn: WriteTxn, base: int) -> str:
         """Make the target hold ``base`` (the active version): by the kept delta when it
-        bridges the target's version to it, else by copying the active buffer."""
-        kept = self.kept if self.config.catch_up != "off" else None
+        bridges the target's version to it, else by copying the active buffer. (With
+        ``catch_up = "off"`` nothing is ever kept: jobs keep no chunks.)"""
+        kept = self.kept
         if kept is not None and kept.brings(txn.base_version, base):
             try:
                 await asyncio.to_thread(kept.catch_up, txn.layout, txn.buffer)
@@ -422,10 +424,8 @@ class ApplyCore(DaemonCore):
                 logger.warning("catch-up by version %d failed (%r): copying", kept.version, e)
             else:
                 txn.brought_to(base)
-                self.opened_by["catch_up"] += 1
                 return "catch_up"
         await asyncio.to_thread(txn.copy_from_active)
-        self.opened_by["copy"] += 1
         return "copy"
 
     def _end_job(self, *, abort: bool) -> None:

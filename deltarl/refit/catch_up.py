@@ -70,8 +70,7 @@ class KeptDelta:
         """Make the kept writes to ``target`` (holding ``base``) in place: afterwards it holds
         ``version``. The coded values read the reference, which is the target itself: each
         element is read before it is written."""
-        for chunk in self.chunks:
-            apply_chunk(chunk, layout, target, target)
+        _rewrite(self.chunks, layout, target)
 
     def catch_up_with_undo(self, layout: Layout, target: np.ndarray) -> list[DecodedChunk]:
         """``catch_up``, returning what undoes it: the same positions, each with the XOR of
@@ -99,10 +98,7 @@ class KeptDelta:
 
 def _indices(layout: Layout, b: SparseBatch) -> np.ndarray:
     """Every element a sparse batch writes, as an index into the buffer viewed at its width."""
-    first = (
-        np.array([layout.tensors[t].offset // b.itemsize for t in b.tensor_ids], np.int64)
-        + b.starts
-    )
+    first = b.bases(layout)
     out = np.empty(int(b.counts.sum()), np.int64)
     for i in range(len(first)):
         o, n = int(b.out_off[i]), int(b.counts[i])
@@ -131,5 +127,10 @@ class Undo:
     manifest: RefitManifest
 
     def apply(self, layout: Layout, target: np.ndarray) -> None:
-        for chunk in self.chunks:
-            apply_chunk(chunk, layout, target, target)
+        _rewrite(self.chunks, layout, target)
+
+
+def _rewrite(chunks: list[DecodedChunk], layout: Layout, target: np.ndarray) -> None:
+    """Make decoded chunks' writes to ``target`` in place (each element read, then written)."""
+    for chunk in chunks:
+        apply_chunk(chunk, layout, target, target)
