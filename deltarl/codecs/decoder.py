@@ -21,17 +21,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltarl.codecs import kernels
+from deltarl.codecs import conditioned, kernels
 from deltarl.codecs.checksum import chunk_checksum, chunk_hash, model_digest, tensor_digest
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
     HEADER_SIZE,
     NO_BASE,
+    POS_CONDITIONED,
     POS_DENSE,
     POS_RICE,
     RECORD,
     STREAM,
     STREAM_BITMAP,
+    STREAM_CONDITIONED,
     STREAM_PLANE0,
     STREAM_RICE,
     STREAM_VALUES,
@@ -139,16 +141,19 @@ def decode_chunk(
     base: int | None = None,
     target: int | None = None,
     scratch: DecodeScratch | None = None,
+    reference: np.ndarray | None = None,
 ) -> DecodedChunk:
     """Validate and decode one chunk. ``base``/``target``, when given, must match the frame.
 
     ``base`` is the version the receiver holds (None: it holds nothing, so only a full
     version is acceptable). With a ``scratch``, the decoded arrays are views into it and
     last only until its next use (VersionApply decodes and applies chunk by chunk, so it
-    uses this thread's scratch); without one they are freshly allocated.
+    uses this thread's scratch); without one they are freshly allocated. ``reference``: the
+    base version's flat buffer, which conditioned records need to find their positions
+    (their coding walks its exponents); a chunk that has some is refused without it.
     """
     try:
-        return _decode_chunk(data, layout, base, target, scratch)
+        return _decode_chunk(data, layout, base, target, scratch, reference)
     except MemoryError as exc:
         # Every allocation is bounded by the frame's bytes and MAX_RAW_BYTES before it is
         # made; a frame that still does not fit is refused like any other (nothing written).
@@ -161,6 +166,7 @@ def _decode_chunk(
     base: int | None,
     target: int | None,
     scratch: DecodeScratch | None,
+    reference: np.ndarray | None,
 ) -> DecodedChunk:
     buf = memoryview(data).cast("B")
     header = check_frame(buf)
@@ -183,7 +189,7 @@ def _decode_chunk(
         streams.append(StreamHeader(kind, comp, raw_len, wire_len))
     check_records(header, records, layout)
     raw = read_streams(header, records, streams, body[tables:])
-    sparse = _decode_sparse(records, raw, layout, scratch or DecodeScratch())
+    sparse = _decode_sparse(records, raw, layout, scratch or DecodeScratch(), reference)
     dense = _split_planes(records, raw)
     return DecodedChunk(header, records, sparse, dense, len(buf))
 
@@ -315,7 +321,12 @@ class VersionApply:
                 )
             return False
         decoded = decode_chunk(
-            data, self.layout, base=self.base, target=self.version, scratch=_default_scratch()
+            data,
+            self.layout,
+            base=self.base,
+            target=self.version,
+            scratch=_default_scratch(),
+            reference=self.reference,
         )
         try:
             apply_chunk(decoded, self.layout, self.target, self.reference)
@@ -366,8 +377,10 @@ def _decode_sparse(
     raw: dict[int, np.ndarray],
     layout: Layout,
     scratch: DecodeScratch,
+    reference: np.ndarray | None,
 ) -> list[SparseBatch]:
-    """Decode every sparse record's positions and coded values, one kernel call per width."""
+    """Decode every sparse record's positions and coded values, one kernel call per width
+    (and one more per width for conditioned records)."""
     ids = [i for i, r in enumerate(records) if r.pos_coding != POS_DENSE]
     if not ids:
         return []
@@ -377,13 +390,17 @@ def _decode_sparse(
     # Stream offsets run over all sparse records in record order, whatever their width.
     pos_off: dict[int, int] = {}
     val_off: dict[int, int] = {}
-    rice_at = bitmap_at = val_at = 0
+    cond_off: dict[int, int] = {}
+    rice_at = bitmap_at = val_at = cond_at = 0
     bitmaps: dict[int, np.ndarray] = {}
     for i in ids:
         r = records[i]
         val_off[i] = val_at
         val_at += r.val_len
-        if r.pos_coding == POS_RICE:
+        if r.pos_coding == POS_CONDITIONED:
+            cond_off[i] = cond_at
+            cond_at += r.pos_len
+        elif r.pos_coding == POS_RICE:
             pos_off[i] = rice_at
             rice_at += r.pos_len
         else:
@@ -403,29 +420,40 @@ def _decode_sparse(
         for j, i in enumerate(group):
             if i in bitmaps:
                 positions[out_off[j] : out_off[j] + counts[j]] = bitmaps[i]
-        errors = np.zeros(len(rs), np.int64)
+        rice = np.array([i not in cond_off for i in group])
+        sel = np.flatnonzero(rice)
+        errors = np.zeros(len(sel), np.int64)
         kernels.decode_sparse(
             itemsize * 8,
             rice_src,
-            np.array([pos_off[i] for i in group], np.int64),
-            np.array([r.pos_len for r in rs], np.int64),
-            np.array([r.pos_k for r in rs], np.int64),
+            np.array([pos_off[group[j]] for j in sel], np.int64),
+            np.array([rs[j].pos_len for j in sel], np.int64),
+            np.array([rs[j].pos_k for j in sel], np.int64),
             val_src,
-            np.array([val_off[i] for i in group], np.int64),
-            np.array([r.val_len for r in rs], np.int64),
-            np.array([r.val_k for r in rs], np.int64),
-            counts,
-            np.array([r.length for r in rs], np.int64),
-            out_off,
+            np.array([val_off[group[j]] for j in sel], np.int64),
+            np.array([rs[j].val_len for j in sel], np.int64),
+            np.array([rs[j].val_k for j in sel], np.int64),
+            counts[sel],
+            np.array([rs[j].length for j in sel], np.int64),
+            out_off[sel],
             positions,
             zval,
             errors,
         )
-        bad = np.flatnonzero(errors)
-        if bad.size:
-            j = int(bad[0])
-            name = layout.tensors[rs[j].tensor_id].name
-            raise FrameError(f"record {group[j]} ({name!r}): {kernels.ERRORS[int(errors[j])]}")
+        _raise_first(errors, [group[j] for j in sel], [rs[j] for j in sel], layout, kernels.ERRORS)
+        if not rice.all():
+            cond = np.flatnonzero(~rice)
+            _decode_conditioned(
+                [group[j] for j in cond],
+                [rs[j] for j in cond],
+                out_off[cond],
+                [cond_off[group[j]] for j in cond],
+                raw.get(STREAM_CONDITIONED, empty),
+                layout,
+                reference,
+                positions,
+                zval,
+            )
         batches.append(
             SparseBatch(
                 itemsize,
@@ -439,6 +467,76 @@ def _decode_sparse(
             )
         )
     return batches
+
+
+def _raise_first(
+    errors: np.ndarray,
+    ids: list[int],
+    rs: list[RecordHeader],
+    layout: Layout,
+    messages: dict[int, str],
+) -> None:
+    """A FrameError naming the first record a kernel refused, if any."""
+    bad = np.flatnonzero(errors)
+    if bad.size:
+        j = int(bad[0])
+        name = layout.tensors[rs[j].tensor_id].name
+        raise FrameError(f"record {ids[j]} ({name!r}): {messages[int(errors[j])]}")
+
+
+def _decode_conditioned(
+    ids: list[int],
+    rs: list[RecordHeader],
+    out_off: np.ndarray,
+    src_off: list[int],
+    src: np.ndarray,
+    layout: Layout,
+    reference: np.ndarray | None,
+    positions: np.ndarray,
+    zval: np.ndarray,
+) -> None:
+    """Decode conditioned records (one width) into their regions of positions / zval,
+    walking the reference's exponents over each record's range: one call per float type."""
+    if reference is None:
+        raise FrameError(
+            f"record {ids[0]}: coded against the reference (conditioned), and no reference "
+            "was given to decode it with"
+        )
+    if reference.dtype != np.uint8 or reference.shape != (layout.nbytes,):
+        # the kernel reads the reference unchecked: it must be the whole laid-out buffer
+        raise ValueError(
+            f"the reference must be flat uint8 of {layout.nbytes} bytes, "
+            f"got {reference.dtype}{list(reference.shape)}"
+        )
+    itemsize = rs[0].itemsize
+    view = reference.view(np.dtype(f"<u{itemsize}"))
+    dtypes = [layout.tensors[r.tensor_id].dtype for r in rs]
+    for dtype in sorted(set(dtypes)):
+        sel = [j for j, d in enumerate(dtypes) if d == dtype]
+        shift, mask = conditioned.exponent_field(dtype)
+        errors = np.zeros(len(sel), np.int64)
+        conditioned.decode_conditioned(
+            view,
+            np.array(
+                [layout.tensors[rs[j].tensor_id].offset // itemsize + rs[j].start for j in sel],
+                np.int64,
+            ),
+            np.array([rs[j].length for j in sel], np.int64),
+            src,
+            np.array([src_off[j] for j in sel], np.int64),
+            np.array([rs[j].pos_len for j in sel], np.int64),
+            np.array([rs[j].changed for j in sel], np.int64),
+            out_off[sel],
+            shift,
+            mask,
+            (1 << (8 * itemsize)) - 1,
+            positions,
+            zval,
+            errors,
+        )
+        _raise_first(
+            errors, [ids[j] for j in sel], [rs[j] for j in sel], layout, conditioned.ERRORS
+        )
 
 
 def _bitmap_positions(i: int, r: RecordHeader, packed: np.ndarray) -> np.ndarray:

@@ -6,6 +6,8 @@ first chunk can be sent while later tensors are still being diffed:
     1) hash every tensor of the wave (the manifest's xxh3-128);
     2) diff, code and Rice-write every item (tensor range) in parallel (kernels.encode_sparse);
     3) choose each tensor's position coding from its changed ratio and exact coded sizes;
+       with ``conditioned``, code each sparse float item against the reference's exponents
+       too (conditioned.py) and keep that coding for the items where it is smaller;
     4) pack the wave's records into chunks of at most chunk_bytes before compression (at
        least one chunk per wave, so sending starts after the first wave), zstd the byte
        planes of dense records, checksum (and, with ``hash_chunks``, BLAKE2b-256), yield.
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deltarl.codecs import conditioned as cond
 from deltarl.codecs import kernels
 from deltarl.codecs.checksum import chunk_hash, model_digest, tensor_digest
 from deltarl.codecs.compression import DEFAULT_LEVEL, PlaneCompressor
@@ -33,6 +36,7 @@ from deltarl.codecs.frame import (
     MAX_DECODED_ELEMS,
     NO_BASE,
     POS_BITMAP,
+    POS_CONDITIONED,
     POS_DENSE,
     POS_NAMES,
     POS_RICE,
@@ -87,15 +91,22 @@ class DeltaEncoder:
         level: int = DEFAULT_LEVEL,
         item_elems: int = DEFAULT_ITEM_ELEMS,
         hash_chunks: bool = False,
+        conditioned: bool = False,
     ) -> None:
         """``hash_chunks``: list a BLAKE2b-256 hash of each chunk in the manifest (needed to
-        seal it, deltarl/codecs/manifest_seal.py); it costs a hash of the wire bytes."""
+        seal it, deltarl/codecs/manifest_seal.py); it costs a hash of the wire bytes.
+        ``conditioned``: also code sparse float ranges against the reference's exponents
+        and send that where it is smaller (a quarter to a third fewer bytes on AdamW-like
+        deltas, for a pass over every element of a changed range on both sides)."""
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
         if not 0.0 <= dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must lie in [0, 1], got {dense_threshold}")
         if value_coding not in (VAL_ORDERED_DELTA, VAL_XOR):
             raise ValueError("deltas are coded against the reference (ordered-delta or xor)")
+        if conditioned and value_coding != VAL_ORDERED_DELTA:
+            raise ValueError("conditioned coding codes ordered-delta values only")
+        self.conditioned = conditioned
         self.layout = layout
         self.chunk_bytes = chunk_bytes
         self.dense_threshold = dense_threshold
@@ -354,6 +365,13 @@ class DeltaEncoder:
                 coding[tid] = POS_RICE
             tallies[tid].coding = POS_NAMES[coding[tid]]
 
+        coded = (
+            self._conditioned_streams(
+                owner, starts, lengths, out_off, (counts, pos_len, val_len), coding, sc, ref
+            )
+            if self.conditioned
+            else {}
+        )
         cur_flat, ref_flat = cur.view(bits), ref.view(bits)
         records: list[Record] = []
         for i in range(n_items):
@@ -378,6 +396,18 @@ class DeltaEncoder:
                 header = RecordHeader(**head, pos_k=0, val_k=0, pos_len=0, val_len=0)
                 records.append(Record(header, planes=values))
                 continue
+            if i in coded:
+                stream = coded[i]
+                header = RecordHeader(
+                    **{**head, "pos_coding": POS_CONDITIONED},
+                    pos_k=cond.MODEL_EXPONENT,
+                    val_k=0,
+                    pos_len=len(stream),
+                    val_len=0,
+                )
+                records.append(Record(header, pos=stream))
+                tallies[tid].coding = POS_NAMES[POS_CONDITIONED]
+                continue
             # Copies, not views: the next wave reuses the scratch while these records wait
             # in a chunk that is not yet full.
             vals = sc.val_dst[val_cap[i] : val_cap[i] + val_len[i]].tobytes()
@@ -393,6 +423,68 @@ class DeltaEncoder:
             )
             records.append(Record(header, pos=posb, vals=vals))
         return records
+
+    def _conditioned_streams(
+        self,
+        owner: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out_off: np.ndarray,
+        sizes_today: tuple[np.ndarray, np.ndarray, np.ndarray],
+        coding: dict[int, int],
+        sc: SparseScratch,
+        ref: np.ndarray,
+    ) -> dict[int, bytes]:
+        """Item index -> its conditioned stream, for the sparse float items where that
+        stream is smaller than the Rice or bitmap coding already chosen (the per-range
+        fallback: an item keeps today's coding unless the conditioned one wins)."""
+        counts, pos_len, val_len = sizes_today
+        # Today's bytes per item (streams only): Rice positions or a bitmap, plus values.
+        bitmap = np.array([coding.get(int(t)) == POS_BITMAP for t in owner])
+        today = val_len + np.where(bitmap, (lengths + 7) // 8, pos_len)
+        out: dict[int, bytes] = {}
+        layout = self.layout
+        for dtype in cond.CODED_DTYPES:
+            sel = np.array(
+                [
+                    i
+                    for i in range(len(starts))
+                    if layout.tensors[int(owner[i])].dtype == dtype
+                    and coding.get(int(owner[i])) in (POS_RICE, POS_BITMAP)
+                    and counts[i] > 0
+                ],
+                np.int64,
+            )
+            if not sel.size:
+                continue
+            itemsize = layout.tensors[int(owner[sel[0]])].itemsize
+            # Room for one byte less than today's coding of the item: a stream that needs
+            # more is not kept (the kernel stops writing at the room's end).
+            cap = np.maximum(today[sel] - 1, 0)
+            cap_off = np.zeros(sel.size, np.int64)
+            np.cumsum(cap[:-1], out=cap_off[1:])
+            dst = np.empty(int(cap.sum()) + 1, np.uint8)
+            sizes = np.zeros(sel.size, np.int64)
+            shift, mask = cond.exponent_field(dtype)
+            cond.encode_conditioned(
+                ref.view(np.dtype(f"<u{itemsize}")),
+                starts[sel],
+                lengths[sel],
+                out_off[sel],
+                counts[sel],
+                sc.pos,
+                sc.zval,
+                shift,
+                mask,
+                dst,
+                cap_off,
+                cap,
+                sizes,
+            )
+            for j, i in enumerate(sel):
+                if sizes[j] <= cap[j]:
+                    out[int(i)] = dst[cap_off[j] : cap_off[j] + sizes[j]].tobytes()
+        return out
 
     def _check_buffer(self, what: str, buf: np.ndarray) -> None:
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.shape[0] != self.layout.nbytes:

@@ -35,7 +35,10 @@ Streams (each kind at most once per chunk):
   changed element never codes to zero) of every POS_RICE and POS_BITMAP record, ``val_len``
   bytes each, in record order (kernels.py describes the code and its escape);
 - STREAM_PLANE0 + p: byte p of the coded values of every POS_DENSE record whose itemsize
-  exceeds p, in record order (byte planes: bytes of equal significance compress far better).
+  exceeds p, in record order (byte planes: bytes of equal significance compress far better);
+- STREAM_CONDITIONED: the range-coded positions and values of every POS_CONDITIONED record,
+  ``pos_len`` bytes each, in record order (conditioned.py: coded against the reference's
+  exponents, with model ``pos_k``; such a record has no value stream, val_len and val_k 0).
 
 Sparse records carry ``changed`` values in STREAM_VALUES; dense ones ``length`` in the planes.
 
@@ -44,6 +47,9 @@ What a decoder allocates is bounded by what it received, before it allocates any
   anyway), and every Rice code takes at least 1 + k bits, so a sparse record's ``changed``
   is at most 8 * pos_len / (1 + pos_k) (Rice positions) and 8 * val_len / (1 + val_k): the
   positions and values it decodes are bounded by the wire bytes that carry them;
+- STREAM_CONDITIONED is stored raw too, and each changed element costs at least twelve
+  adaptive decisions of at least range_coder.MIN_DECISION_BITS each, which bounds a
+  conditioned record's ``changed`` by its ``pos_len`` in the same way (about 30 a byte);
 - a chunk decodes at most MAX_DECODED_ELEMS sparse elements (16 bytes of scratch each);
 - the streams' raw lengths add up to at most MAX_RAW_BYTES, and a zstd stream's to at most
   what zstd can expand its wire bytes to (compression.ZSTD_MAX_EXPANSION);
@@ -79,7 +85,14 @@ KIND_NAMES = {KIND_DELTA: "delta", KIND_FULL: "full"}
 POS_RICE = 1  # gaps between changed positions, Golomb-Rice coded with parameter pos_k
 POS_BITMAP = 2  # one bit per element of the range
 POS_DENSE = 3  # every element of the range
-POS_NAMES = {POS_RICE: "rice", POS_BITMAP: "bitmap", POS_DENSE: "dense"}
+# positions and values range-coded against the reference's exponents (conditioned.py)
+POS_CONDITIONED = 4
+POS_NAMES = {
+    POS_RICE: "rice",
+    POS_BITMAP: "bitmap",
+    POS_DENSE: "dense",
+    POS_CONDITIONED: "conditioned",
+}
 
 # Value codings: how a carried element's new bits are written. The decoder may read the
 # reference (the base version's bits at the same place) for the first two.
@@ -94,6 +107,7 @@ COMP_ZSTD = 1
 STREAM_RICE = 1
 STREAM_BITMAP = 2
 STREAM_VALUES = 3
+STREAM_CONDITIONED = 4
 STREAM_PLANE0 = 8  # STREAM_PLANE0 + p for byte plane p (0 <= p < 8)
 
 # A decoder never decompresses more than this for one chunk, whatever the frame claims.

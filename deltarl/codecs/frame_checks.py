@@ -12,27 +12,36 @@ import numpy as np
 
 from deltarl.codecs import kernels
 from deltarl.codecs.compression import decompress
+from deltarl.codecs.conditioned import CODED_DTYPES, MODELS
 from deltarl.codecs.frame import (
     COMP_ZSTD,
     KIND_DELTA,
     KIND_FULL,
     MAX_DECODED_ELEMS,
     POS_BITMAP,
+    POS_CONDITIONED,
     POS_DENSE,
     POS_NAMES,
     POS_RICE,
     STREAM_BITMAP,
+    STREAM_CONDITIONED,
     STREAM_PLANE0,
     STREAM_RICE,
     STREAM_VALUES,
     VAL_NAMES,
+    VAL_ORDERED_DELTA,
     VAL_RAW,
     FrameError,
     FrameHeader,
     RecordHeader,
     StreamHeader,
 )
+from deltarl.codecs.range_coder import MIN_DECISION_BITS, OVERHEAD_BYTES
 from deltarl.engine.layout import Layout
+
+# Adaptive decisions a changed element of a conditioned record costs at least: the bit
+# lengths of its value and of its gap, six each (range_coder.put_number).
+_DECISIONS_PER_CHANGE = 12
 
 
 def check_versions(header: FrameHeader, base: int | None, target: int | None) -> None:
@@ -84,6 +93,10 @@ def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layo
             continue
         if r.changed == 0:
             raise FrameError(f"{where}: a sparse record with no changed elements")
+        if r.pos_coding == POS_CONDITIONED:
+            _check_conditioned(where, r, spec.dtype)
+            sparse += r.changed
+            continue
         if r.pos_k >= kernels.POSITION_WIDTH or r.val_k >= min(32, 8 * r.itemsize):
             raise FrameError(f"{where}: Rice parameters {r.pos_k}/{r.val_k} out of range")
         if r.pos_coding == POS_BITMAP and (r.pos_k or r.pos_len != (r.length + 7) // 8):
@@ -100,6 +113,28 @@ def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layo
         raise FrameError(
             f"records claim {sparse} changed elements in all, over the {MAX_DECODED_ELEMS} "
             "a chunk may decode"
+        )
+
+
+def _check_conditioned(where: str, r: RecordHeader, dtype: str) -> None:
+    """A conditioned record: a known model, a float type it codes, ordered-delta values,
+    no value stream, and room in its bytes for the changes it claims."""
+    if r.pos_k not in MODELS or r.val_k or r.val_len:
+        raise FrameError(
+            f"{where}: conditioned record with model {r.pos_k} (known: {sorted(MODELS)}), "
+            f"val_k {r.val_k}, val_len {r.val_len} (both must be 0)"
+        )
+    if dtype not in CODED_DTYPES:
+        raise FrameError(f"{where}: a conditioned record cannot code {dtype} elements")
+    if r.val_coding != VAL_ORDERED_DELTA:
+        raise FrameError(f"{where}: a conditioned record must carry ordered-delta values")
+    # A range decoder's interval narrows by at least MIN_DECISION_BITS per adaptive
+    # decision and by at most 8 bits per byte it reads (32 more for its start).
+    most = int((8 * r.pos_len + 32) / (_DECISIONS_PER_CHANGE * MIN_DECISION_BITS))
+    if r.pos_len < OVERHEAD_BYTES or r.changed > most:
+        raise FrameError(
+            f"{where}: {kernels.ERRORS[kernels.EXHAUSTED]} (a conditioned stream of "
+            f"{r.pos_len} bytes codes at most {most} changes; the record claims {r.changed})"
         )
 
 
@@ -127,6 +162,8 @@ def read_streams(
         if r.pos_coding == POS_DENSE:
             for p in range(r.itemsize):
                 need(STREAM_PLANE0 + p, r.length)
+        elif r.pos_coding == POS_CONDITIONED:
+            need(STREAM_CONDITIONED, r.pos_len)
         else:
             need(STREAM_RICE if r.pos_coding == POS_RICE else STREAM_BITMAP, r.pos_len)
             need(STREAM_VALUES, r.val_len)
@@ -135,8 +172,11 @@ def read_streams(
         raise FrameError(f"a stream kind appears twice: {kinds[:64]}")
     for s in streams:
         # Raw, so that the records' Rice bounds (check_records) are bounds in wire bytes.
-        if s.kind in (STREAM_RICE, STREAM_VALUES) and s.compression == COMP_ZSTD:
-            raise FrameError(f"stream kind {s.kind}: a Rice stream must be stored raw, not zstd")
+        if (
+            s.kind in (STREAM_RICE, STREAM_VALUES, STREAM_CONDITIONED)
+            and s.compression == COMP_ZSTD
+        ):
+            raise FrameError(f"stream kind {s.kind}: a coded stream must be stored raw, not zstd")
     if sum(s.wire_len for s in streams) != len(payload):
         raise FrameError(
             f"streams claim {sum(s.wire_len for s in streams)} bytes; "

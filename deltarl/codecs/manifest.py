@@ -34,7 +34,7 @@ class TensorEntry:
     name: str
     dtype: str
     shape: list[int]
-    coding: str  # "rice" | "bitmap" | "dense" | "raw" | "unchanged"
+    coding: str  # "rice" | "bitmap" | "conditioned" | "dense" | "raw" | "unchanged"
     changed: int  # elements whose bits differ from the base (all of them for a full version)
     wire_bytes: int  # bytes on the wire attributed to this tensor (shared zstd streams pro rata)
     xxh3_128: str  # of the tensor's bytes after apply

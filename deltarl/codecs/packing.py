@@ -19,9 +19,11 @@ from deltarl.codecs.frame import (
     HEADER_SIZE,
     NO_BASE,
     POS_BITMAP,
+    POS_CONDITIONED,
     POS_RICE,
     RECORD,
     STREAM_BITMAP,
+    STREAM_CONDITIONED,
     STREAM_PLANE0,
     STREAM_RICE,
     STREAM_VALUES,
@@ -70,7 +72,7 @@ class Chunk:
 @dataclass
 class Record:
     header: RecordHeader
-    pos: bytes | memoryview = b""  # Rice or bitmap bytes (sparse records)
+    pos: bytes | memoryview = b""  # Rice, bitmap or conditioned bytes (sparse records)
     vals: bytes | memoryview = b""  # Rice-coded values (sparse records)
     planes: np.ndarray | None = None  # coded values to split into byte planes (dense records)
 
@@ -103,6 +105,7 @@ def pack_chunk(
         (STREAM_RICE, [r.pos for r in records if r.header.pos_coding == POS_RICE]),
         (STREAM_BITMAP, [r.pos for r in records if r.header.pos_coding == POS_BITMAP]),
         (STREAM_VALUES, [r.vals for r in records if r.vals]),
+        (STREAM_CONDITIONED, [r.pos for r in records if r.header.pos_coding == POS_CONDITIONED]),
     ):
         if parts:
             raw_streams.append((skind, b"".join(parts)))
@@ -112,11 +115,12 @@ def pack_chunk(
         parts = [pl[p] for pl, r in zip(planes, dense, strict=True) if r.header.itemsize > p]
         raw_streams.append((STREAM_PLANE0 + p, b"".join(memoryview(x) for x in parts)))
 
-    # Rice streams are near their entropy already; only bitmaps and planes go to zstd.
+    # Rice and range-coded streams are near their entropy already; only bitmaps and planes
+    # go to zstd.
     streams: list[tuple[StreamHeader, bytes | memoryview]] = []
     ratio: dict[int, float] = {}
     for skind, raw in raw_streams:
-        if skind in (STREAM_RICE, STREAM_VALUES):
+        if skind in (STREAM_RICE, STREAM_VALUES, STREAM_CONDITIONED):
             comp, wire = 0, raw
         else:
             comp, wire = compressor.compress(raw)

@@ -18,9 +18,9 @@ from deltarl.engine.layout import Layout
 # One float and one int tensor of every width the codec supports.
 _WIDTHS = [
     ("b8", "int8", (256,)),
-    ("f16", "bfloat16", (256,)),
+    ("f16", "bfloat16", (4096,)),
     ("i16", "int16", (256,)),
-    ("f32", "float32", (256,)),
+    ("f32", "float32", (4096,)),
     ("i32", "int32", (256,)),
     ("f64", "float64", (256,)),
     ("i64", "int64", (256,)),
@@ -32,6 +32,7 @@ def warm_up() -> None:
     layout = Layout.pack(_WIDTHS)
     rng = np.random.default_rng(0)
     ref = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
+    _weights(layout, ref)
     cur = ref.copy()
     cur[::97] ^= 1
     # The export agent encodes straight from a store's read-only mapping, and the apply agent
@@ -41,18 +42,30 @@ def warm_up() -> None:
     cur_ro.flags.writeable = False
     ref_ro = ref.copy()
     ref_ro.flags.writeable = False
-    for coding, current in ((VAL_ORDERED_DELTA, cur), (VAL_XOR, cur), (VAL_ORDERED_DELTA, cur_ro)):
-        encoding = DeltaEncoder(layout, value_coding=coding).encode(
+    cases = [
+        (VAL_ORDERED_DELTA, cur, False),
+        (VAL_XOR, cur, False),
+        (VAL_ORDERED_DELTA, cur_ro, False),
+        # conditioned records of every float width they code (bf16, f32), from a delta
+        # where they win: a tiny step that moves only the smallest weights
+        (VAL_ORDERED_DELTA, _tiny_step(layout, ref), True),
+        (VAL_ORDERED_DELTA, _read_only(_tiny_step(layout, ref)), True),
+    ]
+    for coding, current, conditioned in cases:
+        encoding = DeltaEncoder(layout, value_coding=coding, conditioned=conditioned).encode(
             current, ref, target_version=1, base_version=0
         )
         chunks = list(encoding)
         # The apply agent's reference is the store's read-only view of the active buffer.
-        reference = ref_ro if current is cur_ro else ref
+        reference = ref_ro if not current.flags.writeable else ref
         apply = VersionApply(layout, ref.copy(), reference, base=0, version=1)
         for chunk in chunks:
             apply.apply(chunk.data)
         assert encoding.manifest is not None
         apply.verify(encoding.manifest)
+        if conditioned:
+            codings = {t.dtype: t.coding for t in encoding.manifest.tensors}
+            assert codings["bfloat16"] == codings["float32"] == "conditioned", codings
     # The delta above has no bitmap records. A bitmap comes from zstd or the frame's bytes
     # (read-only), or from a bytearray frame (writable).
     marks = np.packbits(np.arange(64) % 3 == 0, bitorder="little")
@@ -60,6 +73,36 @@ def warm_up() -> None:
     readonly.flags.writeable = False
     for packed in (marks, readonly):
         assert kernels.bitmap_positions(packed, np.empty(22, np.int64)) == 22
+
+
+def _weights(layout: Layout, buf: np.ndarray) -> None:
+    """Fill the float tensors of ``buf`` with weights spread over four decades."""
+    rng = np.random.default_rng(1)
+    for i, spec in enumerate(layout.tensors):
+        if spec.dtype in ("bfloat16", "float32"):
+            w = rng.choice([-1.0, 1.0], spec.numel) * 10 ** rng.uniform(-4, 0, spec.numel)
+            bits = w.astype(np.float32).view(np.uint32)
+            view = layout.view(buf, i)
+            view[:] = bits >> 16 if spec.dtype == "bfloat16" else bits
+
+
+def _tiny_step(layout: Layout, ref: np.ndarray) -> np.ndarray:
+    cur = ref.copy()
+    for i, spec in enumerate(layout.tensors):
+        if spec.dtype == "bfloat16":
+            w = (layout.view(ref, i).astype(np.uint32) << 16).view(np.float32)
+            bits = (w + np.float32(1e-6)).view(np.uint32)
+            # round to nearest even, as a cast to bf16 does
+            layout.view(cur, i)[:] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        elif spec.dtype == "float32":
+            w = layout.view(ref, i).view(np.float32)
+            layout.view(cur, i)[:] = (w + np.float32(1e-11)).view(np.uint32)
+    return cur
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 if __name__ == "__main__":

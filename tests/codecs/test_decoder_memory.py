@@ -170,7 +170,7 @@ def test_bitmap_with_zstd_values() -> None:
     """Under the chunk's limit, but its values would come from zstd: 4 KB for 2**27 codes."""
     frame = _bitmap_frame(HUGE // 8, HUGE // 8, compressed=True)
     assert len(frame) < 10_000
-    _refused(_layout(HUGE), frame, r"stream kind 3: a Rice stream must be stored raw, not zstd")
+    _refused(_layout(HUGE), frame, r"stream kind 3: a coded stream must be stored raw, not zstd")
 
 
 def test_bitmap_claiming_every_element_with_few_values() -> None:
