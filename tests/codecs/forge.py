@@ -21,11 +21,13 @@ from deltarl.codecs.frame import (
     HEADER,
     HEADER_SIZE,
     POS_BITMAP,
+    POS_CONDITIONED,
     POS_DENSE,
     POS_RICE,
     RECORD,
     STREAM,
     STREAM_BITMAP,
+    STREAM_CONDITIONED,
     STREAM_PLANE0,
     STREAM_RICE,
     STREAM_VALUES,
@@ -144,8 +146,10 @@ class Forged:
         for j, r in enumerate(self.records):
             if kind == STREAM_VALUES and r.pos_coding != POS_DENSE:
                 n = r.val_len
-            elif (kind == STREAM_RICE and r.pos_coding == POS_RICE) or (
-                kind == STREAM_BITMAP and r.pos_coding == POS_BITMAP
+            elif (
+                (kind == STREAM_RICE and r.pos_coding == POS_RICE)
+                or (kind == STREAM_BITMAP and r.pos_coding == POS_BITMAP)
+                or (kind == STREAM_CONDITIONED and r.pos_coding == POS_CONDITIONED)
             ):
                 n = r.pos_len
             elif kind >= STREAM_PLANE0 and r.pos_coding == POS_DENSE:
@@ -164,7 +168,7 @@ class Forged:
         s.raw = s.raw[:at] + new + s.raw[at + n :]
         r = self.records[i]
         field = "val_len" if kind == STREAM_VALUES else "pos_len"
-        if kind in (STREAM_VALUES, STREAM_RICE, STREAM_BITMAP):
+        if kind in (STREAM_VALUES, STREAM_RICE, STREAM_BITMAP, STREAM_CONDITIONED):
             self.records[i] = dataclasses.replace(r, **{field: len(new)})
 
     def edit(self, i: int, **changes: int) -> None:
