@@ -14,7 +14,11 @@ the result bit for bit against the trainer's version, and reports:
   codes: the honest bound for a coder that conditions on nothing) and
   entropy_conditioned_bytes_per_change (what a coder could reach that conditions on what
   both sides hold: each element's reference exponent and whether it changed in the previous
-  delta, with an adaptive coder's cost of learning its model; step 1 has no previous delta).
+  delta, with an adaptive coder's cost of learning its model; step 1 has no previous delta);
+- conditioned: the same delta coded against the reference's exponents as well
+  (``DeltaEncoder(conditioned=True)``, codecs/conditioned.py), each range kept in whichever
+  coding is smaller: its wire bytes, bytes per change, ratio to the ordered bound (target at
+  most 0.85), encode and apply speed, bit-exactness, measured beside the default coding.
 
 ``--peers`` also runs two peer coders on the same deltas (``codec_peers``: a NeMo-style XOR +
 gaps + zstd-1 coder and absolute indices + values), each checked bit for bit, and reports
@@ -59,7 +63,12 @@ from deltarl.engine.layout import Layout
 from deltarl.recorded_versions import pairs, read_versions
 from deltarl.sim.realistic_deltas import RealisticDeltas
 
-TARGETS = {"bytes_per_change_vs_bound": 1.05, "encode_vs_memcpy": 0.3, "apply_vs_memcpy": 0.5}
+TARGETS = {
+    "bytes_per_change_vs_bound": 1.05,
+    "encode_vs_memcpy": 0.3,
+    "apply_vs_memcpy": 0.5,
+    "conditioned_vs_ordered_bound": 0.85,
+}
 
 
 def _median_time(
@@ -159,52 +168,23 @@ def run(
         layout, count, source = _simulated(params, steps, seed)
     model_bytes = layout.payload_nbytes
     encoder = DeltaEncoder(layout)
+    conditioned_encoder = DeltaEncoder(layout, conditioned=True)
     result: dict[str, Any] = {"params": count, "memcpy_gbps": 0.0, "steps": []}
     memcpy = []
     previous: np.ndarray | None = None  # which elements the previous delta changed
     for step, (ref, cur) in enumerate(source, start=1):
         memcpy.append(memcpy_gbps(layout.nbytes))
 
-        out: dict[str, Any] = {}
-
-        def encode(
-            out: dict[str, Any] = out,
-            cur: np.ndarray = cur,
-            ref: np.ndarray = ref,
-            step: int = step,
-        ) -> None:
-            e = encoder.encode(cur, ref, target_version=step, base_version=step - 1)
-            out["chunks"] = list(e)
-            out["manifest"] = e.manifest
-
-        encode_s = _median_time(encode, repeat)
-        chunks: list[Chunk] = out["chunks"]
-        manifest: RefitManifest = out["manifest"]
-
-        target = np.empty_like(ref)
-
-        def reset(target: np.ndarray = target, ref: np.ndarray = ref) -> None:
-            np.copyto(target, ref)
-
-        def apply(
-            target: np.ndarray = target,
-            chunks: list[Chunk] = chunks,
-            manifest: RefitManifest = manifest,
-            step: int = step,
-        ) -> None:
-            # In place, as a receiver that holds one copy would: the reference is the target.
-            va = VersionApply(layout, target, target, base=step - 1, version=step)
-            for c in chunks:
-                va.apply(c.data)
-            va.verify(manifest)
-
-        apply_s = _median_time(apply, repeat, setup=reset)
-        bit_exact = bool(np.array_equal(target, cur))
+        chunks, encode_s, apply_s, bit_exact = _measure(encoder, layout, ref, cur, step, repeat)
+        c_chunks, c_encode_s, c_apply_s, c_exact = _measure(
+            conditioned_encoder, layout, ref, cur, step, repeat
+        )
         changed, bound = iid_bound_bytes_per_change(layout, ref, cur)
         _, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
         _, conditioned = conditioned_bound_bytes_per_change(layout, ref, cur, previous)
         previous = changed_mask(layout, ref, cur)
         wire = sum(len(c.data) for c in chunks)
+        c_wire = sum(len(c.data) for c in c_chunks)
         result["steps"].append(
             {
                 "step": step,
@@ -218,6 +198,16 @@ def run(
                 "encode_gbps": model_bytes / encode_s / 1e9,
                 "apply_gbps": model_bytes / apply_s / 1e9,
                 "bit_exact": bit_exact,
+                # the same delta coded against the reference's exponents (conditioned.py),
+                # measured beside the default coding in the same run
+                "conditioned": {
+                    "wire_bytes": c_wire,
+                    "bytes_per_change": c_wire / changed if changed else 0.0,
+                    "vs_ordered_bound": c_wire / changed / ordered if changed else 0.0,
+                    "encode_gbps": model_bytes / c_encode_s / 1e9,
+                    "apply_gbps": model_bytes / c_apply_s / 1e9,
+                    "bit_exact": c_exact,
+                },
             }
         )
         if peers:
@@ -228,6 +218,33 @@ def run(
             result["steps"][-1]["layers"] = layer_changes(layout, ref, cur)
     result["memcpy_gbps"] = statistics.median(memcpy)
     return result
+
+
+def _measure(
+    encoder: DeltaEncoder, layout: Layout, ref: np.ndarray, cur: np.ndarray, step: int, repeat: int
+) -> tuple[list[Chunk], float, float, bool]:
+    """(chunks, encode seconds, apply seconds, bit-exact) of one encoder on one delta."""
+    out: dict[str, Any] = {}
+
+    def encode() -> None:
+        e = encoder.encode(cur, ref, target_version=step, base_version=step - 1)
+        out["chunks"] = list(e)
+        out["manifest"] = e.manifest
+
+    encode_s = _median_time(encode, repeat)
+    chunks: list[Chunk] = out["chunks"]
+    manifest: RefitManifest = out["manifest"]
+    target = np.empty_like(ref)
+
+    def apply() -> None:
+        # In place, as a receiver that holds one copy would: the reference is the target.
+        va = VersionApply(layout, target, target, base=step - 1, version=step)
+        for c in chunks:
+            va.apply(c.data)
+        va.verify(manifest)
+
+    apply_s = _median_time(apply, repeat, setup=lambda: np.copyto(target, ref))
+    return chunks, encode_s, apply_s, bool(np.array_equal(target, cur))
 
 
 def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
@@ -250,6 +267,25 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
             (f"{step}: encode {enc:.2f}x memcpy (target >= {enc_t})", enc >= enc_t),
             (f"{step}: apply {app:.2f}x memcpy (target >= {app_t})", app >= app_t),
         ]
+        c = s["conditioned"]
+        cond_t = TARGETS["conditioned_vs_ordered_bound"]
+        c_enc, c_app = c["encode_gbps"] / mem, c["apply_gbps"] / mem
+        rows += [
+            (f"{step}: conditioned bit-exact", c["bit_exact"]),
+            (
+                f"{step}: conditioned {c['vs_ordered_bound']:.3f}x the ordered bound "
+                f"(target <= {cond_t})",
+                c["vs_ordered_bound"] <= cond_t,
+            ),
+            (
+                f"{step}: conditioned encode {c_enc:.2f}x memcpy (target >= {enc_t})",
+                c_enc >= enc_t,
+            ),
+            (
+                f"{step}: conditioned apply {c_app:.2f}x memcpy (target >= {app_t})",
+                c_app >= app_t,
+            ),
+        ]
     return rows
 
 
@@ -270,6 +306,14 @@ def render(result: dict[str, Any]) -> str:
         for s in result["steps"]
     ]
     lines.append("")
+    for s in result["steps"]:
+        c = s["conditioned"]
+        lines.append(
+            f"  step {s['step']} conditioned: {c['bytes_per_change']:.3f} B/change "
+            f"({c['bytes_per_change'] / s['bytes_per_change']:.2f}x the default coding, "
+            f"{c['vs_ordered_bound']:.3f}x the ordered bound), encode {c['encode_gbps']:.2f} "
+            f"GB/s, apply {c['apply_gbps']:.2f} GB/s, bit-exact {'yes' if c['bit_exact'] else 'NO'}"
+        )
     for s in result["steps"]:
         for name, p in s.get("peers", {}).items():
             lines.append(

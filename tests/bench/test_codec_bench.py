@@ -17,6 +17,15 @@ STEP_KEYS = {
     "encode_gbps": float,
     "apply_gbps": float,
     "bit_exact": bool,
+    "conditioned": dict,
+}
+CONDITIONED_KEYS = {
+    "wire_bytes": int,
+    "bytes_per_change": float,
+    "vs_ordered_bound": float,
+    "encode_gbps": float,
+    "apply_gbps": float,
+    "bit_exact": bool,
 }
 
 
@@ -62,6 +71,18 @@ def test_bench_codec_json_shape_and_bit_exactness():
         # sides hold costs less again (on AdamW deltas; not a law for every delta).
         assert 0 < s["entropy_ordered_bytes_per_change"] < s["entropy_bytes_per_change"]
         assert 0 < s["entropy_conditioned_bytes_per_change"] < s["entropy_ordered_bytes_per_change"]
+        c = s["conditioned"]
+        assert set(c) == set(CONDITIONED_KEYS)
+        for key, kind in CONDITIONED_KEYS.items():
+            assert isinstance(c[key], kind), (key, c[key])
+        # coded against the reference it is bit-exact too; a range keeps it only where it is
+        # smaller, so the wire grows by a stream-table entry (24 B a chunk) at worst. (On
+        # tensors this small the model's learning cost eats the gain; test_conditioned.py
+        # and the benchmark at full size measure the gain.)
+        assert c["bit_exact"] is True
+        assert 0 < c["wire_bytes"] <= s["wire_bytes"] + 24
+        ordered = s["entropy_ordered_bytes_per_change"]
+        assert c["vs_ordered_bound"] == c["bytes_per_change"] / ordered
 
 
 def test_bench_codec_table_names_the_targets():
