@@ -69,6 +69,15 @@ class ExportConfig(DaemonTable):
     spent more on per-chunk overhead than they gained in overlap (median delta 0.22-0.30 s),
     16 MiB 0.15-0.20 s, 32 MiB 0.14-0.16 s with less overlap (total 1.3-1.5x its slowest
     stage); 16 MiB is the compromise."""
+    delta_coding: Literal["rice", "conditioned"] = "rice"
+    """How deltas' sparse ranges are coded. ``rice``: positions and values Golomb-Rice coded,
+    touching only the changed elements. ``conditioned``: float ranges also range-coded against
+    the reference's exponents (deltarl/codecs/conditioned.py), each kept where smaller:
+    measured on simulated AdamW deltas of 98M parameters (``deltarl bench codec``), about a
+    quarter to a third fewer bytes on the wire, for encode and apply several times slower (a
+    pass over every element of a changed range on both sides). Worth it where the link, not
+    the CPU, is the slowest stage of a refit (cross-region links); the receiver needs nothing
+    set, as each record names its coding."""
     ack_timeout_s: float = 60.0
     """How long to wait for the apply agent to report a sent version active or failed."""
     poll_s: float = 0.05

@@ -244,7 +244,10 @@ class ExportCore(DaemonCore):
         cfg = self.config
         self.store = await self._open_published()
         self.encoder = DeltaEncoder(
-            self.store.layout, chunk_bytes=cfg.chunk_bytes, hash_chunks=self.mac_key is not None
+            self.store.layout,
+            chunk_bytes=cfg.chunk_bytes,
+            hash_chunks=self.mac_key is not None,
+            conditioned=cfg.delta_coding == "conditioned",
         )
         while not self.draining:
             self._spent = False

@@ -24,7 +24,7 @@ import pytest
 from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import Ok, Resume, Rollback
-from tests.daemons.pipeline import Pipeline, assert_bit_exact
+from tests.daemons.pipeline import Pipeline, assert_bit_exact, refit_tables, shm_link
 
 
 def _ctl_status(pipe: Pipeline, daemon: str) -> dict[str, Any]:
@@ -104,6 +104,28 @@ def test_versions_flow_bit_exact(pipeline: Pipeline) -> None:
 
     codes = pipeline.stop_all()
     assert codes == {"apply": 0, "export": 0, "trainer": 0}, pipeline.logs()
+
+
+def test_conditioned_deltas_flow_bit_exact(tmp_path: Path) -> None:
+    """``delta_coding = "conditioned"``: the same daemons, deltas coded against the reference
+    (the apply agent needs no setting); conditioned records really go over the link."""
+    tables = refit_tables(tmp_path, export_link=shm_link(tmp_path))
+    tables["daemons"]["export"]["delta_coding"] = "conditioned"
+    pipe = Pipeline(tmp_path, tables)
+    try:
+        for daemon in ("apply", "export", "trainer"):
+            pipe.start(daemon)
+        pipe.wait("3 versions applied", lambda: pipe.status("apply")["applied"] >= 3)
+        version = pipe.quiesce()
+        assert_bit_exact(pipe.tmp, version)
+        with ManifestStore(tmp_path / "versions.sqlite", readonly=True) as ms:
+            deltas = [r for r in ms.history() if r.kind == "delta" and r.state != State.FAILED]
+            assert deltas, ms.history()
+            codings = {t.coding for r in deltas for t in r.manifest.tensors}
+        assert "conditioned" in codings, codings
+        assert pipe.stop_all() == {"apply": 0, "export": 0, "trainer": 0}, pipe.logs()
+    finally:
+        pipe.kill_all()
 
 
 def test_killed_apply_agent_converges_again(pipeline: Pipeline) -> None:
