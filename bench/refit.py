@@ -34,6 +34,12 @@ the ratios to this run's, so what the sparse catch-up (deltarl/refit/catch_up.py
 measured side by side. Each result also gives the delta refits' P95 total and the smallest
 speedup over the refits (``speedup_min``: the full transfer over the slowest delta refit).
 
+``--compare-conditioned`` runs it all again with the export agent coding deltas against the
+reference (``delta_coding = "conditioned"``, deltarl/codecs/conditioned.py) and adds
+``conditioned``: that run's medians (total, encode, transfer, apply, wire bytes) and their
+ratios to this run's, so whether fewer bytes on the wire pay for the slower coding on this
+link is measured side by side.
+
 ``--rate-mbit R`` puts the export agent and the apply agent in two network namespaces joined
 by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
 """
@@ -86,7 +92,12 @@ def _link_table(link: str, host: str, port: int, tmp: Path, sealed: bool) -> dic
 
 
 def _tables(
-    tmp: Path, params: int, link: dict[str, Any], ack_timeout_s: float, catch_up: str = "eager"
+    tmp: Path,
+    params: int,
+    link: dict[str, Any],
+    ack_timeout_s: float,
+    catch_up: str = "eager",
+    delta_coding: str = "rice",
 ) -> dict:
     def ipc(name: str) -> str:
         return f"ipc://{tmp}/{name}"
@@ -109,6 +120,7 @@ def _tables(
             "full_resync_every": 1000,
             "ack_timeout_s": ack_timeout_s,
             "poll_s": 0.002,
+            "delta_coding": delta_coding,
             "link": link,
         },
         "apply": {
@@ -272,6 +284,7 @@ def run(
     *,
     sealed: bool = False,
     catch_up: str = "eager",
+    delta_coding: str = "rice",
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end."""
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs for the stores; mkdtemp makes it private
@@ -289,7 +302,9 @@ def run(
         else:
             host, port = "127.0.0.1", _free_port()
         link_table = _link_table(link, host, port, tmp, sealed)
-        tables = _tables(tmp, params, link_table, ack_timeout_s=wait_s, catch_up=catch_up)
+        tables = _tables(
+            tmp, params, link_table, wait_s, catch_up=catch_up, delta_coding=delta_coding
+        )
         daemons = Daemons(tmp, prefixes, tables)
         with _cluster_keys(tmp, sealed):
             for name in ("apply", "export", "trainer"):
@@ -374,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run again with the apply agent copying the active buffer before every delta "
         "(catch_up = off) and report the difference, side by side",
     )
+    ap.add_argument(
+        "--compare-conditioned",
+        action="store_true",
+        help="run again with deltas coded against the reference (delta_coding = "
+        "conditioned) and report the difference, side by side",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.refits < 1 or args.params < 1:
@@ -403,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_copy:
             copied, _ = run(args.params, args.link, args.rate_mbit, args.refits, catch_up="off")
             result["copy"] = copy_cost(result, copied)
+        if args.compare_conditioned:
+            coded, _ = run(
+                args.params, args.link, args.rate_mbit, args.refits, delta_coding="conditioned"
+            )
+            result["conditioned"] = conditioned_cost(result, coded)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)
         return 2
@@ -416,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(result, diag))
     exact = all(r["bit_exact"] for r in result["refits"])
-    others = (result.get(k, {}).get("bit_exact", True) for k in ("sealed", "copy"))
+    others = (result.get(k, {}).get("bit_exact", True) for k in ("sealed", "copy", "conditioned"))
     return 0 if exact and all(others) else 1
 
 
@@ -433,6 +459,29 @@ def copy_cost(ours: dict[str, Any], copied: dict[str, Any]) -> dict[str, Any]:
         "opened_by": sorted({r["opened_by"] for r in copied["refits"]}),
         "bit_exact": all(r["bit_exact"] for r in copied["refits"]),
     }
+
+
+def conditioned_cost(ours: dict[str, Any], coded: dict[str, Any]) -> dict[str, Any]:
+    """The conditioned run's figures beside the default coding's (ratios: conditioned /
+    default)."""
+
+    def median(run: dict[str, Any], key: str) -> float:
+        values = [r[key] for r in run["refits"] if r["kind"] == "delta"]
+        return float(statistics.median(values)) if values else 0.0
+
+    out: dict[str, Any] = {
+        "delta_total_s_median": coded["delta_total_s_median"],
+        "delta_total_s_p95": coded["delta_total_s_p95"],
+        "speedup": coded["speedup"],
+        "speedup_min": coded["speedup_min"],
+        "delta_ratio": coded["delta_total_s_median"] / ours["delta_total_s_median"],
+        "bit_exact": all(r["bit_exact"] for r in coded["refits"]),
+    }
+    for key in ("encode_s", "transfer_s", "apply_s", "wire_bytes"):
+        out[f"{key}_median"] = median(coded, key)
+        base = median(ours, key)
+        out[f"{key}_ratio"] = median(coded, key) / base if base else 0.0
+    return out
 
 
 def sealed_cost(plain: dict[str, Any], sealed: dict[str, Any]) -> dict[str, Any]:

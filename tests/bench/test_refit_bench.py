@@ -132,6 +132,28 @@ def test_bench_refit_compare_copy_measures_the_catch_up_side_by_side() -> None:
     assert result["delta_total_s_p95"] >= result["delta_total_s_median"]
 
 
+def test_bench_refit_compare_conditioned_measures_the_coding_side_by_side() -> None:
+    result, _ = _bench("--link", "shm", "--compare-conditioned")
+    coded = result.pop("conditioned")
+    _check_shape(result, "shm", None)
+    stages = ("encode_s", "transfer_s", "apply_s", "wire_bytes")
+    assert set(coded) == {
+        "delta_total_s_median",
+        "delta_total_s_p95",
+        "speedup",
+        "speedup_min",
+        "delta_ratio",
+        "bit_exact",
+        *(f"{s}_median" for s in stages),
+        *(f"{s}_ratio" for s in stages),
+    }
+    assert coded["bit_exact"] is True
+    # a range keeps the conditioned coding only where it is smaller (at this tiny size the
+    # adaptive models' learning eats the gain: bench codec and test_conditioned.py measure
+    # it at size), so the wire never grows by more than a stream-table entry
+    assert 0 < coded["wire_bytes_ratio"] <= 1.01
+
+
 def test_bench_refit_sealed_compare_measures_the_cost_side_by_side() -> None:
     result, _ = _bench("--link", "stream", "--sealed-compare")
     sealed = result.pop("sealed")
