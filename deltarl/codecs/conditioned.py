@@ -6,7 +6,7 @@ the sender may split a range's elements into classes by their reference exponent
 each class's changes with that class's own statistics, for free: nothing about the split is
 sent. Within a class, changes are coded as gaps counted in members of that class, and values
 (the ordered-delta codes) with that class's own adaptive model, through the range coder
-(range_coder.py). On the simulated AdamW deltas the exponent is nearly the whole gain: the
+(below). On the simulated AdamW deltas the exponent is nearly the whole gain: the
 conditioned bound with it alone is 0.63-0.76 bytes per change, with whether the element
 changed in the previous delta added 0.71-0.75 (`deltarl bench codec`), so that second
 context, which would tie every delta to the one before it, is not used.
@@ -29,16 +29,241 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.cpython.unsafe.numbers import leading_zeros
 
-from deltarl.codecs.range_coder import (
-    PROB_INIT,
-    TREE_NODES,
-    dec_start,
-    enc_finish,
-    enc_start,
-    get_number,
-    put_number,
-)
+# -- the range coder ------------------------------------------------------------------
+#
+# An adaptive binary range coder for the compiled kernels (LZMA's, in numba).
+#
+# Every decision is one bit coded with an adaptive probability: an 11-bit estimate of
+# P(bit = 0) that moves 1/32 of the way towards each outcome seen. Both sides update the same
+# estimates from the same bits, so nothing about the model is sent: the coder learns each
+# context's statistics as it goes (conditioned.py says which contexts).
+#
+# Numbers are binarised Elias-gamma style (``put_number``): the bit length nb (< 36) as one
+# adaptive decision (nb < 4?) and then a 2-bit tree (nb) or a 5-bit tree (nb - 4) of adaptive
+# decisions, the two bits below the leading one adaptively per bit length, the rest as direct
+# (equiprobable) bits. The small numbers that dominate a delta (gaps in a likely class, +-1
+# ulp steps) are thus coded in few decisions, almost all adaptive: each decision is a link in
+# one dependency chain, so their count, more than anything, sets the coder's speed.
+#
+# The encoder's state is (low, range, cache, pending, d) and the decoder's (code, range, r),
+# plain int64s threaded through inline functions so the kernels keep them in registers. An
+# encoder writes only below ``end`` and counts on past it, so a caller learns how much room a
+# stream would have needed without the coder ever writing out of bounds. A decoder reads only
+# below ``end``, counts reads past it, and the kernel refuses a stream it overran.
+#
+# Each estimate stays within [31, 2017] of 2048, so every adaptive decision costs at least
+# -log2(2017/2048) = 0.022 bits: frame_checks.py bounds the decisions (and so the elements) a
+# stream of n bytes can make a decoder produce.
+#
+# It lives in this file, not a module of its own, because numba's cache (cache=True) keys a
+# kernel by its own file only: a coder changed in another file would leave the kernels
+# cached with the old one inlined, and two hosts could then disagree on the format.
+
+PROB_BITS = 11
+PROB_INIT = 1 << (PROB_BITS - 1)
+_MOVE = 5
+_TOP = 1 << 24
+_MASK32 = (1 << 32) - 1
+TREE_NODES = 64  # per number model: [1] nb < 4?, [2..4] its 2-bit tree, [33..63] the 5-bit one
+_SMALL = 1  # where the small tree's node 1 sits (nodes 1..3 at 2..4)
+_LARGE = 32  # where the large tree's node 1 sits (nodes 1..31 at 33..63)
+MAX_BIT_LENGTH = 35
+MANTISSA_CTX = 4  # a 2-bit tree (nodes 1..3) per bit length
+# Minimum information per adaptive decision (bits), from the estimates' clamp above
+# (-log2(2017/2048) = 0.0220, less the rounding of the interval's split).
+MIN_DECISION_BITS = 0.0219
+# Adaptive decisions a number costs at least: nb < 4?, then the 2-bit tree.
+MIN_DECISIONS_PER_NUMBER = 3
+# Bytes a stream has besides its decisions: the encoder's first (always zero) byte and the
+# four its flush leaves.
+OVERHEAD_BYTES = 5
+
+
+@njit(cache=True)
+def bit_length(x):
+    return 0 if x == 0 else 64 - np.int64(leading_zeros(np.uint64(x)))
+
+
+# -- encoder ------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _shift_low(dst, end, low, cache, pending, d):
+    if low < 0xFF000000 or low > _MASK32:
+        carry = low >> 32
+        temp = cache
+        while True:
+            if d < end:
+                dst[d] = (temp + carry) & 0xFF
+            d += 1
+            temp = 0xFF
+            pending -= 1
+            if pending == 0:
+                break
+        cache = (low >> 24) & 0xFF
+    pending += 1
+    low = (low & 0x00FFFFFF) << 8
+    return low, cache, pending, d
+
+
+@njit(cache=True)
+def enc_start(d):
+    """A fresh encoder writing from ``d``: (low, range, cache, pending, d)."""
+    return np.int64(0), np.int64(_MASK32), np.int64(0), np.int64(1), d
+
+
+@njit(cache=True)
+def put_bit(dst, end, st, probs, i, bit):
+    low, rng, cache, pending, d = st
+    p = np.int64(probs[i])
+    bound = (rng >> PROB_BITS) * p
+    # Branch-free: the bits that carry information are close to coin flips, and a branch on
+    # each would be mispredicted half the time (m is 0 for a zero bit, all ones for a one).
+    m = -np.int64(bit)
+    low += bound & m
+    rng = bound + ((rng - bound - bound) & m)
+    up = p + (((1 << PROB_BITS) - p) >> _MOVE)
+    probs[i] = up + (((p - (p >> _MOVE)) - up) & m)
+    while rng < _TOP:
+        rng <<= 8
+        low, cache, pending, d = _shift_low(dst, end, low, cache, pending, d)
+    return low, rng, cache, pending, d
+
+
+@njit(cache=True)
+def put_direct(dst, end, st, value, nbits):
+    low, rng, cache, pending, d = st
+    for b in range(nbits - 1, -1, -1):
+        rng >>= 1
+        if (value >> b) & 1:
+            low += rng
+        while rng < _TOP:
+            rng <<= 8
+            low, cache, pending, d = _shift_low(dst, end, low, cache, pending, d)
+    return low, rng, cache, pending, d
+
+
+@njit(cache=True)
+def enc_finish(dst, end, st):
+    """Flush; return the offset just past the stream (possibly past ``end``: too small)."""
+    low, _, cache, pending, d = st
+    for _ in range(5):
+        low, cache, pending, d = _shift_low(dst, end, low, cache, pending, d)
+    return d
+
+
+@njit(cache=True)
+def put_number(dst, end, st, tree, tree_at, mant, mant_at, x):
+    """Code 0 <= x < 2**35: its bit length through ``tree[tree_at:tree_at+64]``, the two
+    bits below its leading one through ``mant[mant_at + 4 * length ...]``, the rest direct."""
+    nb = bit_length(x)
+    small = nb < 4
+    st = put_bit(dst, end, st, tree, tree_at + 1, 0 if small else 1)
+    bits, at, rest = (2, _SMALL, nb) if small else (5, _LARGE, nb - 4)
+    node = 1
+    for b in range(bits - 1, -1, -1):
+        bit = (rest >> b) & 1
+        st = put_bit(dst, end, st, tree, tree_at + at + node, bit)
+        node = 2 * node + bit
+    if nb >= 2:
+        rest = nb - 1  # bits below the leading one
+        top = 2 if rest >= 2 else 1
+        low_bits = rest - top
+        head = (x >> low_bits) & ((1 << top) - 1)
+        node = 1
+        for b in range(top - 1, -1, -1):
+            bit = (head >> b) & 1
+            st = put_bit(dst, end, st, mant, mant_at + MANTISSA_CTX * nb + node, bit)
+            node = 2 * node + bit
+        if low_bits:
+            st = put_direct(dst, end, st, x & ((1 << low_bits) - 1), low_bits)
+    return st
+
+
+# -- decoder ------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _byte(src, r, end):
+    return np.int64(src[r]) if r < end else np.int64(0)
+
+
+@njit(cache=True)
+def dec_start(src, r, end):
+    """(code, range, r, ok): ok is False if the stream's first byte is not zero."""
+    first = _byte(src, r, end)
+    code = np.int64(0)
+    for j in range(1, 5):
+        code = (code << 8) | _byte(src, r + j, end)
+    return code, np.int64(_MASK32), r + 5, first == 0
+
+
+@njit(cache=True)
+def get_bit(src, end, st, probs, i):
+    code, rng, r = st
+    p = np.int64(probs[i])
+    bound = (rng >> PROB_BITS) * p
+    bit = np.int64(code >= bound)
+    m = -bit  # branch-free, as put_bit
+    code -= bound & m
+    rng = bound + ((rng - bound - bound) & m)
+    up = p + (((1 << PROB_BITS) - p) >> _MOVE)
+    probs[i] = up + (((p - (p >> _MOVE)) - up) & m)
+    while rng < _TOP:
+        rng <<= 8
+        code = ((code << 8) | _byte(src, r, end)) & _MASK32
+        r += 1
+    return (code, rng, r), bit
+
+
+@njit(cache=True)
+def get_direct(src, end, st, nbits):
+    code, rng, r = st
+    x = np.int64(0)
+    for _ in range(nbits):
+        rng >>= 1
+        bit = 1 if code >= rng else 0
+        if bit:
+            code -= rng
+        x = (x << 1) | bit
+        while rng < _TOP:
+            rng <<= 8
+            code = ((code << 8) | _byte(src, r, end)) & _MASK32
+            r += 1
+    return (code, rng, r), x
+
+
+@njit(cache=True)
+def get_number(src, end, st, tree, tree_at, mant, mant_at):
+    st, large = get_bit(src, end, st, tree, tree_at + 1)
+    bits, at, nb = (5, _LARGE, 4) if large else (2, _SMALL, 0)
+    node = 1
+    for _ in range(bits):
+        st, bit = get_bit(src, end, st, tree, tree_at + at + node)
+        node = 2 * node + bit
+    nb += node - (1 << bits)
+    if nb == 0:
+        return st, np.int64(0)
+    if nb == 1:
+        return st, np.int64(1)
+    rest = nb - 1
+    top = 2 if rest >= 2 else 1
+    low_bits = rest - top
+    node = 1
+    for _ in range(top):
+        st, bit = get_bit(src, end, st, mant, mant_at + MANTISSA_CTX * nb + node)
+        node = 2 * node + bit
+    head = node - (1 << top)
+    x = ((np.int64(1) << top) | head) << low_bits
+    if low_bits:
+        st, tail = get_direct(src, end, st, low_bits)
+        x |= tail
+    return st, x
+
+
+# -- the conditioned coding -----------------------------------------------------------
 
 MODEL_EXPONENT = 1  # the frame's model id (a record's pos_k): classes = reference exponent
 MODELS = {MODEL_EXPONENT: "reference exponent"}
@@ -82,32 +307,32 @@ def exponent_field(dtype: str) -> tuple[int, int]:
     return EXPONENT[dtype]
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _init_class(model, k):
     at = k * _PER_CLASS
     for j in range(_PER_CLASS):
         model[at + j] = PROB_INIT
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _put_gap(dst, end, st, model, k, x):
     at = k * _PER_CLASS
     return put_number(dst, end, st, model, at + _GAP_TREE, model, at + _GAP_MANT, x)
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _put_val(dst, end, st, model, k, x):
     at = k * _PER_CLASS
     return put_number(dst, end, st, model, at + _VAL_TREE, model, at + _VAL_MANT, x)
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _get_gap(src, end, st, model, k):
     at = k * _PER_CLASS
     return get_number(src, end, st, model, at + _GAP_TREE, model, at + _GAP_MANT)
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _get_val(src, end, st, model, k):
     at = k * _PER_CLASS
     return get_number(src, end, st, model, at + _VAL_TREE, model, at + _VAL_MANT)

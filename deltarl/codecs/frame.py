@@ -47,9 +47,9 @@ What a decoder allocates is bounded by what it received, before it allocates any
   anyway), and every Rice code takes at least 1 + k bits, so a sparse record's ``changed``
   is at most 8 * pos_len / (1 + pos_k) (Rice positions) and 8 * val_len / (1 + val_k): the
   positions and values it decodes are bounded by the wire bytes that carry them;
-- STREAM_CONDITIONED is stored raw too, and each changed element costs at least twelve
-  adaptive decisions of at least range_coder.MIN_DECISION_BITS each, which bounds a
-  conditioned record's ``changed`` by its ``pos_len`` in the same way (about 30 a byte);
+- STREAM_CONDITIONED is stored raw too, and each changed element costs at least six
+  adaptive decisions of at least conditioned.MIN_DECISION_BITS each, which bounds a
+  conditioned record's ``changed`` by its ``pos_len`` in the same way (about 60 a byte);
 - a chunk decodes at most MAX_DECODED_ELEMS sparse elements (16 bytes of scratch each);
 - the streams' raw lengths add up to at most MAX_RAW_BYTES, and a zstd stream's to at most
   what zstd can expand its wire bytes to (compression.ZSTD_MAX_EXPANSION);

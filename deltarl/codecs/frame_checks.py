@@ -12,7 +12,13 @@ import numpy as np
 
 from deltarl.codecs import kernels
 from deltarl.codecs.compression import decompress
-from deltarl.codecs.conditioned import CODED_DTYPES, MODELS
+from deltarl.codecs.conditioned import (
+    CODED_DTYPES,
+    MIN_DECISION_BITS,
+    MIN_DECISIONS_PER_NUMBER,
+    MODELS,
+    OVERHEAD_BYTES,
+)
 from deltarl.codecs.frame import (
     COMP_ZSTD,
     KIND_DELTA,
@@ -36,12 +42,11 @@ from deltarl.codecs.frame import (
     RecordHeader,
     StreamHeader,
 )
-from deltarl.codecs.range_coder import MIN_DECISION_BITS, OVERHEAD_BYTES
 from deltarl.engine.layout import Layout
 
 # Adaptive decisions a changed element of a conditioned record costs at least: the bit
-# lengths of its value and of its gap, six each (range_coder.put_number).
-_DECISIONS_PER_CHANGE = 12
+# lengths of its value and of its gap (conditioned.put_number).
+_DECISIONS_PER_CHANGE = 2 * MIN_DECISIONS_PER_NUMBER
 
 
 def check_versions(header: FrameHeader, base: int | None, target: int | None) -> None:
