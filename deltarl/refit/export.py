@@ -182,7 +182,13 @@ class ExportCore(DaemonCore):
     daemon: ClassVar[str] = "export"
     # Read from self.config where used (systemctl reload changes them live).
     reloadable: ClassVar[frozenset[str]] = frozenset(
-        {"full_resync_every", "full_resync_overhead", "ack_timeout_s", "keep_versions"}
+        {
+            "full_resync_every",
+            "full_resync_overhead",
+            "ack_timeout_s",
+            "keep_versions",
+            "delta_coding",
+        }
     )
 
     def __init__(
@@ -450,6 +456,8 @@ class ExportCore(DaemonCore):
         self._sends[version] = sends + 1
         while len(self._sends) > RECENT:
             del self._sends[min(self._sends)]
+        # read per version: delta_coding may change by reload (the receivers need nothing)
+        self.encoder.conditioned = self.config.delta_coding == "conditioned"
         encoding = self.encoder.encode(
             source,
             None if reason else self.ref.buffer,
@@ -674,6 +682,7 @@ class ExportCore(DaemonCore):
             "receiver_session": self.ref.session,
             "deltas_in_a_row": self.ref.deltas_in_a_row,
             "full_resync_every": self.config.full_resync_every,
+            "delta_coding": self.config.delta_coding,
             "full_resync_period": self.resync_period(),
             "resync_pending": self.resync_pending,
             "deltas_enabled": self.deltas_enabled,

@@ -34,6 +34,8 @@ def test_sighup_reloads_what_can_change_live(tmp_path: Path) -> None:
         tables = load_config(config)
         export = tables["daemons"]["export"]
         export["full_resync_every"] = before["full_resync_every"] + 7
+        assert before["delta_coding"] == "rice"
+        export["delta_coding"] = "conditioned"
         export["chunk_bytes"] = 1 << 22  # used when the encoder is made: restart only
         audit = tmp_path / "audit.jsonl"
         export["audit_log"] = str(audit)
@@ -44,9 +46,13 @@ def test_sighup_reloads_what_can_change_live(tmp_path: Path) -> None:
         _wait_log(log, "export: reloaded: ")
         after = pipe.status("export")
         assert after["full_resync_every"] == before["full_resync_every"] + 7
+        assert after["delta_coding"] == "conditioned"
         assert after["runtime"]["pid"] == pid  # the same process: reloaded, not restarted
         text = log.read_text()
-        assert "reloaded: full_resync_every, audit_log; needs a restart: chunk_bytes" in text
+        assert (
+            "reloaded: full_resync_every, delta_coding, audit_log; needs a restart: chunk_bytes"
+            in text
+        )
         # The audit log named in the reload is written from now on.
         request_sync(pipe.endpoint("export"), Resync(), 2.0)
         _wait_log(audit, '"command":"resync"')
