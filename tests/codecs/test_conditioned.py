@@ -19,6 +19,7 @@ from deltarl.codecs.decoder import (
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import (
     COMP_ZSTD,
+    HEADER_SIZE,
     POS_CONDITIONED,
     POS_RICE,
     STREAM_CONDITIONED,
@@ -28,7 +29,8 @@ from deltarl.codecs.frame import (
 )
 from deltarl.codecs.values import encode_values
 from deltarl.engine.layout import Layout
-from tests.codecs.forge import Forged
+from tests.codecs.forge import Forged, reseal
+from tests.codecs.mutate import Mutator, bounded_memory
 
 ITEM = 4096
 
@@ -391,3 +393,35 @@ def test_corrupted_stream_bytes_never_verify() -> None:
         with pytest.raises(ChecksumMismatchError):
             verify_tensors(LAYOUT, target, manifest)  # type: ignore[arg-type]
     assert refused > 0
+
+
+def test_fuzzed_conditioned_frames_are_applied_or_refused_cleanly() -> None:
+    """Seeded mutants of a chunk with conditioned records (most resealed, so they pass the
+    checksum): each is applied or refused with a FrameError that wrote nothing, in bounded
+    memory; a mutant's seed and index reproduce it (mutate.py)."""
+    chunk, _ = _delta()
+    rice, _ = _encode(_versions()[0], _versions()[1], conditioned=False)
+    mutate = Mutator(11, [chunk, *rice])
+    ref = _versions()[0]
+    reference, target = ref.copy(), ref.copy()
+    accepted = refused = 0
+    with bounded_memory():
+        for i in range(20_000):
+            data = mutate()
+            if len(data) >= HEADER_SIZE and mutate.rng.random() < 0.9:
+                data = reseal(data)
+            into = reference if i % 8 == 0 else target  # in place, as a relay applies
+            apply = VersionApply(LAYOUT, into, reference, base=0, version=1)
+            try:
+                apply.apply(data)
+            except FrameError:
+                refused += 1
+                assert np.array_equal(into, ref), f"mutant {i}: refused, yet written"
+            except BaseException as exc:
+                exc.add_note(f"mutant {i} of {len(data)} bytes: {data[:256].hex()}")
+                raise
+            else:
+                accepted += 1
+                np.copyto(into, ref)
+    assert refused > 10_000
+    assert accepted > 0
