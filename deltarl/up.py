@@ -34,7 +34,8 @@ generation and scoring, refit; medians), ``rollouts`` and ``engines`` (per rollo
 versions applied, refit median, bit-exact, groups and tokens generated), ``lag_rule``
 (``--lag-rule``: which token of a group its lag is measured from), ``token_lag_mean`` and
 ``over_bound_token_ratio`` (the trained tokens' mean age in versions and the share of them
-over the bound, token-weighted over the run: ``deltarl/scheduler/token_lag.py``).
+over the bound, token-weighted over the run: ``deltarl/scheduler/token_lag.py``),
+``delta_coding`` (``--delta-coding``: how the deltas were coded, deltarl/codecs/).
 
 ``--trainer-ranks M`` runs the trainer as M data-parallel ranks (``trainer_ranks`` in the
 object). ``--rollouts N`` runs N rollout daemons (``rollout``, ``rollout-2`` ...), each its own vLLM
@@ -174,6 +175,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "apply_control": run.endpoint("apply"),
             "apply_events": run.endpoint("apply", "events"),
             "chunk_bytes": 1 << 20,
+            "delta_coding": args.delta_coding,
             "poll_s": 0.02,
             "link": link,
         },
@@ -255,6 +257,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="max_policy_lag_steps of the scheduler (default 1)",
     )
     ap.add_argument("--on-lag-exceeded", choices=("throttle", "drop", "sync"), default="throttle")
+    ap.add_argument(
+        "--delta-coding",
+        choices=("rice", "conditioned"),
+        default="rice",
+        help="how the export agent codes deltas (default rice; conditioned: also against "
+        "the reference's exponents, fewer bytes for more CPU)",
+    )
     ap.add_argument(
         "--lag-rule",
         choices=("oldest_token", "partial"),

@@ -151,6 +151,7 @@ def summarise(run: Run) -> dict[str, Any]:
         "duplicate_samples": duplicates,
         "max_policy_lag": max(lags, default=0),
         "wire_bytes_median": _median([float(r["wire_bytes"]) for r in deltas]),
+        "delta_coding": str((export or {}).get("delta_coding", "rice")),
         "changed_ratio_median": _median(
             [r["changed"] / r["elements"] for r in deltas if r.get("elements")], digits=8
         ),
@@ -428,8 +429,9 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"  refit time        median {s['refit_median_s']:.3f} s, export pick-up to engine",
         f"  step time         {_step_line(s.get('step_time') or {})}",
         f"  held-out eval     {_eval_line(s)}",
-        f"  deltas            median {s['wire_bytes_median'] / 1e6:.3f} MB on the wire, "
-        f"{s['changed_ratio_median']:.4%} of the weights changed per version",
+        f"  deltas            median {s['wire_bytes_median'] / 1e6:.3f} MB on the wire "
+        f"({s.get('delta_coding', 'rice')} coding), {s['changed_ratio_median']:.4%} of the "
+        "weights changed per version",
         f"  bit-exact         {exact}",
         f"  not trained       {_not_trained(s.get('counters') or {})}",
         f"  wasted tokens     {_wasted_line(s.get('wasted_tokens_ratio'))}",

@@ -129,6 +129,8 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     # the strict lag rule (the default): no trained token is over the bound, and the
     # tokens' age is measured from the versions the engine recorded per token
     assert result["lag_rule"] == "oldest_token"
+    assert result["delta_coding"] == "rice"
+    assert "(rice coding)" in proc.stderr
     assert result["over_bound_token_ratio"] == 0
     assert 0 <= result["token_lag_mean"] <= 1
     assert all(s["over_bound_token_ratio"] == 0 for s in result["step_curve"])
