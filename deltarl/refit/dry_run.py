@@ -39,11 +39,18 @@ TOP_TENSORS = 5
 
 
 def measure(
-    store: WeightStore, versions: int, timeout_s: float, chunk_bytes: int, poll_s: float = 0.05
+    store: WeightStore,
+    versions: int,
+    timeout_s: float,
+    chunk_bytes: int,
+    poll_s: float = 0.05,
+    *,
+    conditioned: bool = False,
 ) -> list[dict[str, Any]]:
     """The next ``versions`` versions of ``store`` (the first in full), encoded and applied;
-    TimeoutError (with the versions measured so far in its args) if they do not come."""
-    encoder = DeltaEncoder(store.layout, chunk_bytes=chunk_bytes)
+    TimeoutError (with the versions measured so far in its args) if they do not come.
+    ``conditioned``: code the deltas as ``delta_coding = "conditioned"`` does."""
+    encoder = DeltaEncoder(store.layout, chunk_bytes=chunk_bytes, conditioned=conditioned)
     full_bytes = store.layout.nbytes
     previous: np.ndarray | None = None
     previous_version: int | None = None
@@ -161,7 +168,14 @@ def main(argv: list[str]) -> int:
         return 2
     code = 0
     try:
-        rows = measure(store, args.versions, args.timeout, cfg.chunk_bytes, cfg.poll_s)
+        rows = measure(
+            store,
+            args.versions,
+            args.timeout,
+            cfg.chunk_bytes,
+            cfg.poll_s,
+            conditioned=cfg.delta_coding == "conditioned",
+        )
     except TimeoutError as e:
         rows, code = list(e.args[0]), 3
         print(
