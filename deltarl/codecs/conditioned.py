@@ -38,7 +38,7 @@ from numba.cpython.unsafe.numbers import leading_zeros
 # Every decision is one bit coded with an adaptive probability: an 11-bit estimate of
 # P(bit = 0) that moves 1/32 of the way towards each outcome seen. Both sides update the same
 # estimates from the same bits, so nothing about the model is sent: the coder learns each
-# context's statistics as it goes (conditioned.py says which contexts).
+# context's statistics as it goes (the coding below says which contexts).
 #
 # Numbers are binarised Elias-gamma style (``put_number``): the bit length nb (< 36) as one
 # adaptive decision (nb < 4?) and then a 2-bit tree (nb) or a 5-bit tree (nb - 4) of adaptive
@@ -48,7 +48,9 @@ from numba.cpython.unsafe.numbers import leading_zeros
 # one dependency chain, so their count, more than anything, sets the coder's speed.
 #
 # The encoder's state is (low, range, cache, pending, d) and the decoder's (code, range, r),
-# plain int64s threaded through inline functions so the kernels keep them in registers. An
+# plain int64s threaded through small @njit functions, which LLVM inlines so the kernels keep
+# them in registers (numba's inline="always" measured 2.5x slower here: 13.8 against 5.7 ns a
+# bit). An
 # encoder writes only below ``end`` and counts on past it, so a caller learns how much room a
 # stream would have needed without the coder ever writing out of bounds. A decoder reads only
 # below ``end``, counts reads past it, and the kernel refuses a stream it overran.
@@ -69,6 +71,8 @@ _MASK32 = (1 << 32) - 1
 TREE_NODES = 64  # per number model: [1] nb < 4?, [2..4] its 2-bit tree, [33..63] the 5-bit one
 _SMALL = 1  # where the small tree's node 1 sits (nodes 1..3 at 2..4)
 _LARGE = 32  # where the large tree's node 1 sits (nodes 1..31 at 33..63)
+# What put_number can code: bit lengths up to 4 + 31. Gaps are below 2**32 (an item's
+# positions) and coded values below 2**33 (fp32's zigzagged ordered delta), well inside.
 MAX_BIT_LENGTH = 35
 MANTISSA_CTX = 4  # a 2-bit tree (nodes 1..3) per bit length
 # Minimum information per adaptive decision (bits), from the estimates' clamp above
