@@ -140,6 +140,11 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_policy_lag_steps": args.max_policy_lag,
             "on_lag_exceeded": args.on_lag_exceeded,
             "lag_rule": args.lag_rule,
+            **(
+                {"max_token_lag_steps": args.max_token_lag}
+                if args.max_token_lag is not None
+                else {}
+            ),
             "policy": args.policy,
             **({"plan": str(args.plan.resolve())} if args.plan is not None else {}),
             "seed": args.seed,
@@ -257,6 +262,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="max_policy_lag_steps of the scheduler (default 1)",
     )
     ap.add_argument("--on-lag-exceeded", choices=("throttle", "drop", "sync"), default="throttle")
+    ap.add_argument(
+        "--max-token-lag",
+        type=int,
+        default=None,
+        metavar="K",
+        help="under --lag-rule partial: drop (or abort) a group whose oldest token is more "
+        "than K versions behind (default: no cap)",
+    )
     ap.add_argument(
         "--delta-coding",
         choices=("rice", "conditioned"),

@@ -352,7 +352,11 @@ class SchedulerService(DaemonCore):
         where they would be dropped; stopping them now saves what they would still generate."""
         tv, bound = self.trainer_version, self.config.max_policy_lag_steps
         if self.config.lag_rule == "partial":
-            return {}  # a group goes on under the new weights; its newest token is current
+            # A group goes on under the new weights (its newest token is current), unless its
+            # oldest token is already past the cap on token age: it would be dropped at ship.
+            if self.config.max_token_lag_steps is None:
+                return {}
+            bound = self.config.max_token_lag_steps
         if tv is None or not isinstance(cmd.progress, dict):
             return {}
         out: dict[str, int] = {}
@@ -739,6 +743,7 @@ class SchedulerService(DaemonCore):
             reward=self.reward_window.figures(),
             throughput={i.name: i.tokens_per_s for i in self.instances.values()},
             lag_rule=cfg.lag_rule,
+            max_token_lag=cfg.max_token_lag_steps,
         )
         if result.groups and not result.replayed:  # recorded with this new step
             self.reward_window.reset()

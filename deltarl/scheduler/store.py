@@ -496,6 +496,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
         reward: Mapping[str, Any] | None = None,
         throughput: Mapping[str, float] | None = None,
         lag_rule: LagRule = "oldest_token",
+        max_token_lag: int | None = None,
     ) -> ShipResult:
         """The groups of ``step``: the same ones again if it was shipped (exact replay), else
         the oldest ``groups`` pooled ones within the lag bound, all or none. ``reward``: the
@@ -505,8 +506,9 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
 
         Lag = ``trainer_version`` - the group's oldest token version (``lag_rule`` =
         ``oldest_token``) or its newest (``partial``: ``token_lag``; the oldest where an older
-        deltarl noted no versions), measured now, so time in the pool counts. A pooled group
-        over ``max_lag`` can only get staler: it is dropped
+        deltarl noted no versions), measured now, so time in the pool counts. Under
+        ``partial``, a group whose oldest token is more than ``max_token_lag`` behind counts
+        as over the bound too. A pooled group over it can only get staler: it is dropped
         (``dropped_groups.lag_exceeded``) and its prompt queued again, in this transaction,
         whether or not the step can be filled.
         """
@@ -533,12 +535,13 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
             fresh: list[tuple[Group, int]] = []
             stale: list[Group] = []
             for g in pooled:
-                measured = g.min_version
+                oldest = trainer_version - (g.min_version if g.min_version is not None else 0)
+                lag, over = oldest, oldest > max_lag
                 if lag_rule == "partial":
                     newest = token_lag.newest(conn, g.prompt_id, g.attempt)
-                    measured = newest if newest is not None else measured
-                lag = trainer_version - (measured if measured is not None else 0)
-                if lag > max_lag:
+                    lag = trainer_version - newest if newest is not None else oldest
+                    over = lag > max_lag or (max_token_lag is not None and oldest > max_token_lag)
+                if over:
                     stale.append(g)
                     self._drop(conn, g, "lag_exceeded", g.samples, failure=False, max_failures=0)
                 else:

@@ -166,3 +166,71 @@ def test_the_figures_survive_a_reopen_and_go_with_a_restore(tmp_path: Path) -> N
         again.close()
 
     run(go())
+
+
+@pytest.mark.parametrize(("cap", "shipped"), [(1, 0), (2, 2), (None, 2)])
+def test_partial_with_a_cap_drops_a_group_whose_oldest_token_is_over_it(
+    tmp_path: Path, cap: int | None, shipped: int
+) -> None:
+    """``max_token_lag_steps``: the groups' newest tokens are current (within the bound of 1)
+    and their oldest 2 behind the trainer. A cap of 1 drops them at ship time; 2, or none,
+    ships them."""
+
+    async def go() -> None:
+        svc, store, _ = make_service(
+            tmp_path,
+            on_lag_exceeded="drop",
+            max_policy_lag_steps=1,
+            lag_rule="partial",
+            max_token_lag_steps=cap,
+        )
+        w = await work(svc, n=2, version=1)
+        await submit_spanning(svc, w, [1, 1, 1, 2, 2, 2, 3, 3])
+        batch = await svc.take_batch(TakeBatch(step=1, groups=2, trainer_version=3))
+        assert isinstance(batch, Batch)
+        assert len(batch.groups) == shipped
+        assert store.counters().get("dropped_groups.lag_exceeded", 0) == 2 - shipped
+
+    run(go())
+
+
+def test_partial_with_a_cap_aborts_a_held_group_past_it(tmp_path: Path) -> None:
+    """A held group whose oldest token is already past the cap would be dropped at ship: it
+    is aborted as doomed, as under ``oldest_token``; one within the cap goes on."""
+
+    async def go() -> None:
+        svc, store, _ = make_service(
+            tmp_path,
+            max_policy_lag_steps=1,
+            pool_capacity=16,
+            lag_rule="partial",
+            max_token_lag_steps=3,
+        )
+        w = await work(svc, n=2, version=0)
+        doomed, kept = (g["group_id"] for g in w.groups)
+        svc.trainer_version = 5
+        beat = Heartbeat(
+            "a",
+            "s1",
+            5,
+            held=[doomed, kept],
+            reports_held=True,
+            progress={doomed: [1, 40], kept: [2, 12]},  # 4 behind (> 3), and 3 (not)
+        )
+        reply = await svc.heartbeat(beat)
+        assert reply.abort == [doomed]  # type: ignore[union-attr]
+        assert store.counters()["requeued.doomed"] == 1
+
+    run(go())
+
+
+def test_a_cap_below_the_bound_is_refused() -> None:
+    table = {
+        "control": "ipc:///x",
+        "db": "/x",
+        "lag_rule": "partial",
+        "max_policy_lag_steps": 2,
+        "max_token_lag_steps": 1,
+    }
+    with pytest.raises(ValueError, match="max_token_lag_steps"):
+        build(SchedulerConfig, "scheduler", table)
