@@ -54,6 +54,7 @@ def run(
     refit_s: float,
     lag: int = 1,
     lag_rule: str = "oldest_token",
+    max_token_lag: int | None = None,
 ) -> dict[str, Any]:
     figures = {
         p: run_policy(
@@ -66,6 +67,7 @@ def run(
             refit_s,
             lag=lag,
             lag_rule=lag_rule,
+            token_cap=max_token_lag,
         )
         for p in POLICIES
     }
@@ -91,13 +93,20 @@ def run(
         "real": None,
         "lag": lag,
         "lag_rule": lag_rule,
+        "max_token_lag": max_token_lag,
     }
 
 
 def render(result: dict[str, Any]) -> str:
     lines = [
         f"workload {result['workload']} on {result['instances']} instances (model), "
-        f"lag bound {result['lag']} ({result.get('lag_rule', 'oldest_token')})"
+        f"lag bound {result['lag']} ({result.get('lag_rule', 'oldest_token')}"
+        + (
+            f", oldest token at most {result['max_token_lag']} behind"
+            if result.get("max_token_lag") is not None
+            else ""
+        )
+        + ")"
     ]
     lines.append(
         f"  {'policy':<16}{'tokens/s':>12}{'padding':>10}{'skewness':>10}{'sorting wait':>14}"
@@ -217,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         help="which token of a group its lag is measured from (default oldest_token; partial: "
         "groups go on under new weights)",
     )
+    ap.add_argument(
+        "--max-token-lag",
+        type=int,
+        default=None,
+        metavar="K",
+        help="under --lag-rule partial (the model only): a group whose oldest token is more "
+        "than K versions behind is aborted or dropped, as max_token_lag_steps does",
+    )
     args = ap.parse_args(argv)
     if min(args.prompts, args.n, args.instances, args.groups_per_step) < 1:
         ap.error("--prompts, --n, --instances and --groups-per-step must be at least 1")
@@ -262,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         args.refit_s,
         args.lag,
         args.lag_rule,
+        args.max_token_lag,
     )
     if args.real:
         from deltarl.bench.schedule_real import run_real  # noqa: PLC0415 - only when used

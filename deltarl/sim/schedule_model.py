@@ -254,9 +254,12 @@ class _Run:
         micro: int,
         lookahead: int,
         lag_rule: str = "oldest_token",
+        token_cap: int | None = None,
     ) -> None:
         self.policy = policy
         self.lag_rule = lag_rule
+        # the scheduler's max_token_lag_steps: under partial, the oldest token's cap
+        self.token_cap = token_cap if lag_rule == "partial" else None
         self.w = workload
         self.cost = cost
         self.gps = groups_per_step
@@ -265,8 +268,13 @@ class _Run:
         self.lag = 0 if policy == "sync" else lag
         self.micro = micro
         self.lookahead = lookahead
-        # sync never crosses a version; under ``partial`` nothing in flight is doomed
-        self.abort_doomed = policy != "sync" and lag_rule == "oldest_token"
+        # sync never crosses a version; under ``partial`` nothing in flight is doomed unless
+        # a cap on the oldest token's age makes it so
+        self.abort_doomed = policy != "sync" and (
+            lag_rule == "oldest_token" or self.token_cap is not None
+        )
+        # how far behind a group's oldest token may fall before it is doomed
+        self.oldest_bound = self.lag if self.token_cap is None else self.token_cap
         self.insts = [_Instance(i, cost) for i in range(instances)]
         self.heap: list[tuple[float, int, int]] = []
         self.fresh = 0  # the dataset's cursor
@@ -389,7 +397,10 @@ class _Run:
             return
         fresh = []
         for rec in self.pooled:
-            if self._group_lag(rec) > self.lag:  # over the bound: dropped
+            capped = (
+                self.token_cap is not None and self.version - rec.start_version > self.token_cap
+            )
+            if self._group_lag(rec) > self.lag or capped:  # over the bound: dropped
                 self.wasted += self.w.groups[rec.index].tokens
                 self.attempts[rec.index] += 1
                 if self.attempts[rec.index] < MAX_ATTEMPTS:
@@ -426,7 +437,11 @@ class _Run:
         """Groups whose lag can only grow past the bound before they ship are stopped now and
         their prompts queued again: what they would still generate is saved (what they did
         generate is wasted all the same)."""
-        doomed = {g for g in inst.groups if self.version - self.record[g].start_version > self.lag}
+        doomed = {
+            g
+            for g in inst.groups
+            if self.version - self.record[g].start_version > self.oldest_bound
+        }
         if not doomed:
             return
         for g in doomed:
@@ -517,6 +532,7 @@ def run_policy(
     lag: int = 1,
     lookahead: int = 64,
     lag_rule: str = "oldest_token",
+    token_cap: int | None = None,
 ) -> Figures:
     """One policy's figures on ``workload`` (the module docstring says what each does)."""
     if policy not in POLICIES:
@@ -535,4 +551,5 @@ def run_policy(
         micro,
         lookahead,
         lag_rule,
+        token_cap,
     ).run()

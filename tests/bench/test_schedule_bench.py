@@ -51,12 +51,14 @@ def test_the_json_contract_and_the_synchronous_loop_is_slowest() -> None:
         "real",
         "lag",
         "lag_rule",
+        "max_token_lag",
         "cost_model",
         "calibrated",
     }
     assert result["calibrated"] is False  # no --cost, no --calibrate: the default cost model
     assert result["instances"] == 8
     assert result["lag_rule"] == "oldest_token"
+    assert result["max_token_lag"] is None
     assert result["real"] is None  # the real-engine half is not built
     assert set(result["policies"]) == {"sync", "least_requests", "deltarl"}
     for m in result["policies"].values():
@@ -147,6 +149,30 @@ def test_under_partial_the_long_group_goes_on_under_new_weights_and_its_age_is_c
         run_policy("deltarl", w, cost, 2, 1, 0.0, 0.0, lag_rule="newest")
 
 
+def test_under_partial_a_cap_on_the_oldest_token_stops_the_long_group() -> None:
+    """The same run under ``partial`` with ``max_token_lag_steps`` 1: at the refit to version
+    2 the long group's oldest token is 2 behind, over the cap: it is stopped as under the
+    strict rule (its first run wasted), and every trained token is within the cap. A cap of
+    2 lets it go on, as with no cap."""
+    cost = CostModel(decode_base_s=0.01, decode_per_seq_s=0.0, decode_per_kctx_s=0.0,
+                     prefill_per_token_s=0.0, max_seqs=8)  # fmt: skip
+    groups = (PromptGroup(1, (2000,)), PromptGroup(1, (10,)), PromptGroup(1, (10,)))
+    w = Workload("behind", groups, (2000.0, 10.0, 10.0))
+
+    def partial(cap: int) -> Any:
+        return run_policy(
+            "least_requests", w, cost, 2, groups_per_step=1, train_s=0.0, refit_s=0.0,
+            lag_rule="partial", token_cap=cap,
+        )  # fmt: skip
+
+    capped = partial(1)
+    assert capped.steps == 3
+    assert 0 < capped.wasted_tokens_ratio < 0.5
+    assert capped.over_bound_token_ratio == 0
+    loose = partial(2)
+    assert (loose.wasted_tokens_ratio, loose.over_bound_token_ratio) == (0.0, 10 / 2020)
+
+
 def test_the_lag_rule_reaches_the_json() -> None:
     code, result, err = _bench(
         "--prompts", "256", "--instances", "8", "--groups-per-step", "32", "--lag-rule", "partial"
@@ -154,6 +180,7 @@ def test_the_lag_rule_reaches_the_json() -> None:
     assert code == 0, err
     assert result is not None
     assert result["lag_rule"] == "partial"
+    assert result["max_token_lag"] is None
     for m in result["policies"].values():
         assert m["wasted_tokens_ratio"] == 0  # nothing in flight is doomed; no one falls behind
         assert 0 <= m["over_bound_token_ratio"] < 1
