@@ -166,6 +166,9 @@ def test_under_partial_a_cap_on_the_oldest_token_stops_the_long_group() -> None:
         )  # fmt: skip
 
     capped = partial(1)
+    # a cap equal to the bound is the strict rule, figure for figure
+    strict = run_policy("least_requests", w, cost, 2, groups_per_step=1, train_s=0.0, refit_s=0.0)
+    assert capped == strict
     assert capped.steps == 3
     assert 0 < capped.wasted_tokens_ratio < 0.5
     assert capped.over_bound_token_ratio == 0
