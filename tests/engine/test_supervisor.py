@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -264,7 +265,9 @@ def test_a_handler_that_never_finishes_is_cancelled_after_the_drain_timeout(tmp_
         assert proc.returncode == 0, err
         assert 0.3 <= took < 3.0
         assert out.splitlines() == ["handler cancelled", "on_stop handled=0"]
-        assert "did not drain within 0.3 s" in err
+        # each child gets what is left of the one shared deadline: the first almost all of
+        # 0.3 s, logged to 3 digits ("0.3" or, a millisecond later, "0.299": failed once so)
+        assert re.search(r"did not drain within 0\.(?:3|29\d*) s", err), err
     finally:
         proc.kill()
         proc.communicate()
