@@ -478,9 +478,9 @@ def conditioned_cost(ours: dict[str, Any], coded: dict[str, Any]) -> dict[str, A
         "bit_exact": all(r["bit_exact"] for r in coded["refits"]),
     }
     for key in ("encode_s", "transfer_s", "apply_s", "wire_bytes"):
-        out[f"{key}_median"] = median(coded, key)
-        base = median(ours, key)
-        out[f"{key}_ratio"] = median(coded, key) / base if base else 0.0
+        theirs, base = median(coded, key), median(ours, key)
+        out[f"{key}_median"] = theirs
+        out[f"{key}_ratio"] = theirs / base if base else 0.0
     return out
 
 

@@ -96,8 +96,9 @@ class DeltaEncoder:
         """``hash_chunks``: list a BLAKE2b-256 hash of each chunk in the manifest (needed to
         seal it, deltarl/codecs/manifest_seal.py); it costs a hash of the wire bytes.
         ``conditioned``: also code sparse float ranges against the reference's exponents
-        and send that where it is smaller (a quarter to a third fewer bytes on AdamW-like
-        deltas, for a pass over every element of a changed range on both sides)."""
+        and send that where it is smaller (measured: 0.63-0.70x the bytes on simulated AdamW
+        deltas, 0.23-0.43x on real GRPO deltas, for a pass over every element of a changed
+        range on both sides and a range coder: several times slower)."""
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
         if not 0.0 <= dense_threshold <= 1.0:

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from deltarl.codecs.conditioned import EXPONENT
 from deltarl.codecs.frame import VAL_ORDERED_DELTA
 from deltarl.codecs.values import encode_values
 from deltarl.engine.layout import Layout, dtype_of
@@ -59,15 +60,6 @@ def iid_bound_bytes_per_change(
         return 0, 0.0
     position_bits = total * binary_entropy(changed / total)
     return changed, (position_bits + value_bits) / changed / 8.0
-
-
-# Where the exponent sits in each float type's bit pattern: (shift, mask).
-_EXPONENT = {
-    "bfloat16": (7, 0xFF),
-    "float16": (10, 0x1F),
-    "float32": (23, 0xFF),
-    "float64": (52, 0x7FF),
-}
 
 
 def ordered_bound_bytes_per_change(
@@ -117,7 +109,7 @@ def change_contexts(
     for i, spec in enumerate(layout.tensors):
         bits = layout.view(ref, i)
         n = bits.size
-        shift_mask = _EXPONENT.get(spec.dtype)
+        shift_mask = EXPONENT.get(spec.dtype)
         if shift_mask is None:
             exponent = np.zeros(n, np.int64)
         else:
