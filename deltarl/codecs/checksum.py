@@ -9,7 +9,10 @@ once the tensors are hashed.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -29,10 +32,58 @@ def tensor_digest(bits: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(bits)).cast("B"))
 
 
+PARALLEL_MIN_BYTES = 16 << 20
+"""Below this many bytes the tensors are hashed on the calling thread: handing work to the
+pool costs more than it saves."""
+HASH_THREADS = max(1, min(os.cpu_count() or 1, 8))
+"""xxh3 is memory-bound: a few threads fill the memory bus (two threads hashed two 200 MB
+buffers in 13 ms against 23.5 ms on one, on a 2-core host); more only contend."""
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool  # noqa: PLW0603 - one pool per process, made on first use
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="xxh3")
+        return _pool
+
+
+def _parts(sizes: Sequence[int], parts: int) -> list[range]:
+    """Split indices ``0..len(sizes)`` into at most ``parts`` contiguous runs of about equal
+    bytes (a run closes once it reaches its share of what is left)."""
+    out: list[range] = []
+    start, left = 0, sum(sizes)
+    for k in range(parts, 0, -1):
+        if start >= len(sizes):
+            break
+        share, end, got = left / k, start, 0
+        while end < len(sizes) and (got < share or end == start):
+            got += sizes[end]
+            end += 1
+        if k == 1:
+            end = len(sizes)
+        out.append(range(start, end))
+        left -= got
+        start = end
+    return out
+
+
 def tensor_digests(layout: Layout, buf: np.ndarray, ids: Iterable[int] | None = None) -> list[str]:
-    """Digests of the given tensors (all by default) of a flat buffer laid out by ``layout``."""
-    chosen = range(len(layout)) if ids is None else ids
-    return [tensor_digest(layout.view(buf, i)) for i in chosen]
+    """Digests of the given tensors (all by default) of a flat buffer laid out by ``layout``,
+    in the order given. Large sets are hashed by ``HASH_THREADS`` threads (xxhash releases the
+    GIL), each over a contiguous run of tensors of about equal bytes; the digests are the same
+    whatever the split."""
+    chosen = list(range(len(layout)) if ids is None else ids)
+    views = [layout.view(buf, i) for i in chosen]
+    sizes = [v.nbytes for v in views]
+    if HASH_THREADS == 1 or sum(sizes) < PARALLEL_MIN_BYTES:
+        return [tensor_digest(v) for v in views]
+    runs = _parts(sizes, HASH_THREADS)
+    done = _hash_pool().map(lambda run: [tensor_digest(views[j]) for j in run], runs)
+    return [d for part in done for d in part]
 
 
 def model_digest(digests: Iterable[str]) -> str:

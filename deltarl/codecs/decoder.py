@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deltarl.codecs import conditioned, kernels
-from deltarl.codecs.checksum import chunk_checksum, chunk_hash, model_digest, tensor_digest
+from deltarl.codecs.checksum import chunk_checksum, chunk_hash, model_digest, tensor_digests
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
     HEADER_SIZE,
@@ -267,7 +267,7 @@ def verify_tensors(layout: Layout, buf: np.ndarray, manifest: RefitManifest) -> 
         (s.name, s.dtype, s.shape) for s in layout.tensors
     ]:
         raise ChecksumMismatchError(manifest.version, ["<manifest does not describe this layout>"])
-    digests = [tensor_digest(layout.view(buf, i)) for i in range(len(layout))]
+    digests = tensor_digests(layout, buf)
     bad = [t.name for t, d in zip(manifest.tensors, digests, strict=True) if t.xxh3_128 != d]
     if not bad and model_digest(digests) != manifest.model_xxh3_128:
         bad = ["<whole-model checksum>"]

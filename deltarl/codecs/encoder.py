@@ -28,7 +28,7 @@ import numpy as np
 
 from deltarl.codecs import conditioned as cond
 from deltarl.codecs import kernels
-from deltarl.codecs.checksum import chunk_hash, model_digest, tensor_digest
+from deltarl.codecs.checksum import chunk_hash, model_digest, tensor_digests
 from deltarl.codecs.compression import DEFAULT_LEVEL, PlaneCompressor
 from deltarl.codecs.frame import (
     KIND_DELTA,
@@ -247,8 +247,8 @@ class DeltaEncoder:
         tallies: list[TensorTally],
     ) -> list[Record]:
         t0 = time.perf_counter()
-        for tid in wave:
-            tallies[tid].digest = tensor_digest(self.layout.view(cur, tid))
+        for tid, digest in zip(wave, tensor_digests(self.layout, cur, wave), strict=True):
+            tallies[tid].digest = digest
         t1 = time.perf_counter()
         enc.timings.checksum_s += t1 - t0
 
