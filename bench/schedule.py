@@ -18,6 +18,11 @@ the contract: ``wasted_tokens_ratio``, ``token_lag_mean`` and ``over_bound_token
 trained tokens' mean age in versions, and the share of them more than the bound behind) in each
 M, and at the top ``lag`` (the bound, ``--lag``) and ``lag_rule`` (``--lag-rule``: which token
 of a group its lag is measured from; ``partial`` lets groups go on under new weights).
+Also added to each M: ``step_skewness``, the median over steps of the skewness the scheduler
+records per step (the busiest instance's busy time since the previous step over the mean), and
+``tail_s``, the seconds after the last group was issued. ``skewness`` is over the whole run, so
+on a workload of a few steps it mostly measures that tail: the drain of a finite dataset, when
+an idle instance has nothing left to take while the last long groups finish.
 ``real``: the same policies on the real rollout daemons (``--real``), the same M for each plus
 ``model_error``; null without ``--real``.
 """
@@ -80,6 +85,8 @@ def run(
             "wasted_tokens_ratio": f.wasted_tokens_ratio,
             "token_lag_mean": f.token_lag_mean,
             "over_bound_token_ratio": f.over_bound_token_ratio,
+            "step_skewness": f.step_skewness,
+            "tail_s": f.tail_s,
         }
         for p, f in figures.items()
     }
@@ -110,13 +117,14 @@ def render(result: dict[str, Any]) -> str:
     ]
     lines.append(
         f"  {'policy':<16}{'tokens/s':>12}{'padding':>10}{'skewness':>10}{'sorting wait':>14}"
-        f"{'wasted':>9}{'token lag':>11}{'over bound':>12}"
+        f"{'wasted':>9}{'token lag':>11}{'over bound':>12}{'step skew':>11}{'tail s':>8}"
     )
     for name, m in result["policies"].items():
         lines.append(
             f"  {name:<16}{m['throughput_tok_s']:>12.0f}{m['padding_ratio']:>10.3f}"
             f"{m['skewness']:>10.3f}{m['sorting_wait']:>14.3f}{m['wasted_tokens_ratio']:>9.3f}"
             f"{m['token_lag_mean']:>11.2f}{m['over_bound_token_ratio']:>12.3f}"
+            f"{m['step_skewness']:>11.3f}{m['tail_s']:>8.0f}"
         )
     lines.append(
         f"  deltarl: {result['speedup_vs_sync']:.2f}x sync, "

@@ -87,6 +87,7 @@ def summarise(run: Run) -> dict[str, Any]:
     if export is None:
         raise SummaryError("the export agent did not answer status")
     rows = sorted(history.steps, key=lambda r: int(r["step"])) if history else []
+    step_skew = [float(r["skewness"]) for r in rows if r.get("skewness") is not None]
     counters = dict(history.counters) if history else {}
     rollout = engines["rollout"]
     refits: list[dict[str, Any]] = rollout.get("refits") or []
@@ -240,6 +241,10 @@ def summarise(run: Run) -> dict[str, Any]:
         # Seed 000's instance skew: the busiest engine's time in engine steps over the mean
         # (1.0: evenly loaded; one engine: 1.0 by definition).
         "skewness": _skewness([float(st.get("busy_s") or 0.0) for st in engines.values()]),
+        # The same, per step, as the scheduler records it (busy time since the step before),
+        # the median over the steps that have it: the whole run's figure also counts its
+        # start and its end, when some engines have nothing left to take.
+        "step_skewness": _median(step_skew) if step_skew else None,
         "counters": counters,
     }
 
@@ -383,7 +388,10 @@ def _engine_lines(s: dict[str, Any]) -> list[str]:
         f"{e['refit_median_s']:.3f} s, {e['submitted_groups']} groups, busy "
         f"{e['busy_s']:.0f} s, bit-exact {'yes' if e['bit_exact'] else 'NO'}"
         for e in engines
-    ] + [f"    skewness        {s['skewness']} (busiest engine's busy time / the mean)"]
+    ] + [
+        f"    skewness        {s['skewness']} (busiest engine's busy time / the mean; per step, "
+        f"median: {_f(s.get('step_skewness'))})"
+    ]
 
 
 def _step_line(t: dict[str, Any]) -> str:

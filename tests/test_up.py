@@ -137,6 +137,7 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert "token age         trained tokens" in proc.stderr
     assert 0 <= result["padding_ratio_median"] < 1
     assert result["skewness"] == 1.0  # one engine
+    assert result["step_skewness"] is None  # a step's skewness compares two engines or more
     assert result["policy"] == "fifo"
     # Measured, not asserted high: the tiny task's prompts are shorter than one KV block,
     # and only whole blocks are cached (tests/rollout/test_vllm_engine.py checks real hits).
@@ -258,6 +259,8 @@ def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
         assert e["busy_s"] > 0, e
     busy = [e["busy_s"] for e in engines.values()]
     assert result["skewness"] == pytest.approx(max(busy) / (sum(busy) / 2), abs=1e-3)
+    # per step, from the busy seconds the scheduler recorded with each step
+    assert result["step_skewness"] >= 1.0
     assert result["refit_bit_exact"] is True
     assert result["versions_applied"] == engines["rollout"]["versions_applied"]
     assert result["duplicate_samples"] == 0

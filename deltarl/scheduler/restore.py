@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deltarl.scheduler import length_log, reward_stats, token_lag, token_waste
+from deltarl.scheduler import length_log, reward_stats, step_busy, token_lag, token_waste
 from deltarl.scheduler.blob_table import BlobTable
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class StepRestore(BlobTable):
             token_waste.forget_after(conn, step)
             token_lag.forget_after(conn, step)
             length_log.forget_after(conn, step)
+            step_busy.forget_after(conn, step)
             conn.execute("DELETE FROM eval_groups WHERE step > ?", (step,))
             conn.execute("DELETE FROM eval_rounds WHERE step > ?", (step,))
             conn.execute(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from deltarl.scheduler import length_log, reward_stats, token_lag, token_waste
+from deltarl.scheduler import length_log, reward_stats, step_busy, token_lag, token_waste
 from deltarl.scheduler.blob_table import BlobTable
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class StepRetention(BlobTable):
             token_waste.prune(conn, last)
             token_lag.prune(conn, last)
             length_log.prune(conn, last)
+            step_busy.prune(conn, last)
             conn.execute(
                 "INSERT INTO meta VALUES ('pruned_through', ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = MAX(CAST(value AS INTEGER), ?)",

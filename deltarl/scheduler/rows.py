@@ -17,6 +17,7 @@ from deltarl.scheduler.blob_table import BLOB_SCHEMA
 from deltarl.scheduler.eval_store import EVAL_SCHEMA
 from deltarl.scheduler.length_log import LENGTH_SCHEMA
 from deltarl.scheduler.reward_stats import STEP_REWARDS_SCHEMA
+from deltarl.scheduler.step_busy import BUSY_SCHEMA
 from deltarl.scheduler.token_lag import TOKEN_LAG_SCHEMA
 from deltarl.scheduler.token_waste import TOKENS_SCHEMA
 
@@ -100,6 +101,8 @@ SCHEMA = (
     # Trained tokens' versions per step (token_lag); created on open in an older file.
     *TOKEN_LAG_SCHEMA,
     *LENGTH_SCHEMA,
+    # Instances' busy seconds per step (step_busy); created on open in an older file.
+    *BUSY_SCHEMA,
 )
 
 

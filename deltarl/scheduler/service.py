@@ -744,13 +744,13 @@ class SchedulerService(DaemonCore):
             throughput={i.name: i.tokens_per_s for i in self.instances.values()},
             lag_rule=cfg.lag_rule,
             max_token_lag=cfg.max_token_lag_steps,
+            busy={i.name: i.busy_s for i in self.instances.values()},
         )
         if result.groups and not result.replayed:  # recorded with this new step
             self.reward_window.reset()
             recorded = self.store.history(last=1)
             if recorded:
-                busy = {i.name: i.busy_s for i in self.instances.values()}
-                self.metrics.step_shipped(recorded[-1], busy)
+                self.metrics.step_shipped(recorded[-1])
         if result.pruned:
             return Error(
                 "checkpointed",

@@ -2,16 +2,13 @@
 
 A step's figures are exported from the row the store just wrote (``SchedulerStore.history``),
 so Prometheus and ``deltarl ctl scheduler history`` can never disagree: the tokens trained and
-wasted, samples, reward, lag and the bubbles. Skewness is measured here, per step: each
-rollout instance reports its busy seconds (time inside engine steps) with its heartbeats, and a
-step's skewness is the busiest instance's busy time since the previous step over the mean
-(instances heard from in both steps only: a new or removed one has no interval).
+wasted, samples, reward, lag and the bubbles (the step's skewness from the instances' busy
+seconds recorded with it: ``step_busy``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from statistics import fmean
 from typing import Any
 
 from deltarl.ops import metrics
@@ -20,7 +17,6 @@ from deltarl.ops import metrics
 class SchedulerMetrics:
     def __init__(self, lag_bound: int) -> None:
         metrics.POLICY_LAG_BOUND.set(lag_bound)
-        self._busy_at_step: dict[str, float] = {}
 
     @staticmethod
     def instance_seen(name: str, version: int | None, healthy: bool) -> None:
@@ -47,9 +43,9 @@ class SchedulerMetrics:
         if version is not None:
             metrics.TRAINER_VERSION.set(version)
 
-    def step_shipped(self, row: Mapping[str, Any], busy: Mapping[str, float]) -> float | None:
-        """A new step was recorded as ``row``; ``busy``: each live instance's busy seconds.
-        Returns the step's skewness (None without two intervals to compare)."""
+    @staticmethod
+    def step_shipped(row: Mapping[str, Any]) -> None:
+        """A new step was recorded as ``row``."""
         metrics.STEPS_FINALISED.inc()
         metrics.SAMPLES.inc(int(row.get("samples") or 0))
         metrics.TOKENS.labels("trained").inc(int(row.get("trained_tokens") or 0))
@@ -61,21 +57,11 @@ class SchedulerMetrics:
             (metrics.LENGTH_ERROR, "length_error"),
             (metrics.TOKEN_LAG, "token_lag_mean"),
             (metrics.OVER_BOUND_TOKENS, "over_bound_token_ratio"),
+            (metrics.SKEWNESS, "skewness"),
         ):
             value = row.get(key)
             if value is not None:
                 gauge.set(float(value))
-        spent = [
-            busy[name] - before
-            for name, before in self._busy_at_step.items()
-            if name in busy and busy[name] >= before
-        ]
-        self._busy_at_step = dict(busy)
-        if len(spent) < 2 or fmean(spent) <= 0:
-            return None
-        skew = max(spent) / fmean(spent)
-        metrics.SKEWNESS.set(skew)
-        return skew
 
     @staticmethod
     def step_trained(version: int, figures: Mapping[str, Any]) -> None:

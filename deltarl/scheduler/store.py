@@ -41,7 +41,7 @@ from typing import Any
 import orjson
 
 from deltarl.config.rl import LagRule
-from deltarl.scheduler import length_log, reward_stats, token_lag, token_waste
+from deltarl.scheduler import length_log, reward_stats, step_busy, token_lag, token_waste
 from deltarl.scheduler.eval_store import EvalTables
 from deltarl.scheduler.restore import StepRestore
 from deltarl.scheduler.retention import StepRetention
@@ -174,6 +174,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
             token_waste.attach(conn, rows)
             token_lag.attach(conn, rows)
             length_log.attach(conn, rows)
+            step_busy.attach(conn, rows)
         for row in rows:
             row["metrics"] = orjson.loads(row["metrics"]) if row["metrics"] else {}
             row["checkpointed"] = bool(row["checkpointed"])
@@ -497,12 +498,14 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
         throughput: Mapping[str, float] | None = None,
         lag_rule: LagRule = "oldest_token",
         max_token_lag: int | None = None,
+        busy: Mapping[str, float] | None = None,
     ) -> ShipResult:
         """The groups of ``step``: the same ones again if it was shipped (exact replay), else
         the oldest ``groups`` pooled ones within the lag bound, all or none. ``reward``: the
         scoring figures since the last step (``reward_stats``), recorded with a new step, as
         are the live instances' ``throughput`` (tokens/s) and its groups' length prediction
-        errors (``length_log``).
+        errors (``length_log``) and ``busy``, each live instance's busy seconds (``step_busy``:
+        the step's skewness).
 
         Lag = ``trainer_version`` - the group's oldest token version (``lag_rule`` =
         ``oldest_token``) or its newest (``partial``: ``token_lag``; the oldest where an older
@@ -590,6 +593,8 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
             )
             ids = [(g.prompt_id, g.attempt) for g, _ in taken]
             length_log.record(conn, step, ids, throughput or {})
+            if busy is not None:
+                step_busy.record(conn, step, busy)
             token_lag.record(conn, step, trainer_version, max_lag, ids)
             self._bump(conn, "shipped_groups", len(taken))
             self._bump(conn, "shipped_samples", len(rewards))

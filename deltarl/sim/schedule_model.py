@@ -226,6 +226,13 @@ class Figures:
     """Trained tokens' mean lag: the trainer's version at ship minus the token's."""
     over_bound_token_ratio: float = 0.0
     """Trained tokens more than the lag bound behind (0 under ``oldest_token``)."""
+    step_skewness: float = 1.0
+    """The median over steps of each step's skewness, as the scheduler records it: the
+    busiest instance's busy time since the previous step over the mean."""
+    tail_s: float = 0.0
+    """Wall seconds after the last group was issued: the finite workload's drain, when there
+    is nothing left to give an idle instance (what ``skewness`` over the run mostly measures
+    on a short workload)."""
 
 
 @dataclass
@@ -292,6 +299,8 @@ class _Run:
         self.record: dict[int, _Group] = {}  # each group's latest attempt
         self.by_version: dict[int, dict[int, float]] = {}  # group -> version -> tokens
         self.lag_tokens = 0.0  # trained tokens times their lag
+        self.busy_at_ship: list[list[float]] = []  # each instance's busy seconds at each step
+        self.last_issue = 0.0  # when the last group was issued
         self.over_bound = 0.0  # trained tokens more than the bound behind
 
     # -- dispatch -----------------------------------------------------------------------
@@ -355,6 +364,7 @@ class _Run:
         self.by_version[g] = {}
         self.record[g] = _Group(g, self.attempts[g], inst.version, self.now, 0.0, inst.index)
         self.issued += 1
+        self.last_issue = self.now
         self._schedule(inst)
 
     def _schedule(self, inst: _Instance) -> None:
@@ -413,6 +423,9 @@ class _Run:
         step, self.pooled = fresh[: self.gps], fresh[self.gps :]
         self.steps.append(step)
         self.shipped_at.append(self.now)
+        for i in self.insts:  # busy up to now, as each engine's heartbeat would report it
+            i.advance(self.now)
+        self.busy_at_ship.append([i.busy for i in self.insts])
         self.trained += sum(self.w.groups[r.index].tokens for r in step)
         for r in step:
             for v, n in self.by_version[r.index].items():
@@ -490,6 +503,13 @@ class _Run:
         mean_gen = statistics.fmean(gen) if gen else 0.0
         steps = [[r.index for r in s] for s in self.steps]
         made = self.trained + self.wasted
+        step_skew = []
+        before = [0.0] * len(self.insts)
+        for at in self.busy_at_ship:
+            spent = [b - a for a, b in zip(before, at, strict=True)]
+            before = at
+            if statistics.fmean(spent) > 0:
+                step_skew.append(max(spent) / statistics.fmean(spent))
         return Figures(
             throughput_tok_s=self.trained / self.now if self.now > 0 else 0.0,
             padding_ratio=_padding(self.w, steps, self.micro, self.policy == "deltarl"),
@@ -500,6 +520,8 @@ class _Run:
             steps=len(self.steps),
             token_lag_mean=self.lag_tokens / self.trained if self.trained else 0.0,
             over_bound_token_ratio=self.over_bound / self.trained if self.trained else 0.0,
+            step_skewness=statistics.median(step_skew) if step_skew else 1.0,
+            tail_s=max(self.now - self.last_issue, 0.0),
         )
 
 

@@ -23,6 +23,8 @@ METRICS = {
     "wasted_tokens_ratio",
     "token_lag_mean",
     "over_bound_token_ratio",
+    "step_skewness",
+    "tail_s",
 }
 
 
@@ -109,6 +111,24 @@ def test_one_instance_one_group_takes_the_cost_models_time() -> None:
     assert f.wall_s == pytest.approx(expected)
     assert f.throughput_tok_s == pytest.approx(8 / expected)
     assert f.skewness == pytest.approx(1.0)
+
+
+def test_step_skewness_is_per_step_and_the_tail_is_the_drain() -> None:
+    """Sync, two instances, one group each a step: step 1's groups take 10 and 30 steps,
+    step 2's 30 and 10 (dealt in dataset order, so each instance gets one long step). Over
+    the run both instances were busy 40 s (skewness 1); in each step one was busy 30 s and
+    the other 10 (skewness 30 / 20 = 1.5 both times). The tail: from the last issue (the
+    start of step 2) to the end, 30 s."""
+    cost = CostModel(decode_base_s=1.0, decode_per_seq_s=0.0, decode_per_kctx_s=0.0,
+                     prefill_per_token_s=0.0, max_seqs=8)  # fmt: skip
+    groups = tuple(PromptGroup(1, (t,)) for t in (10, 30, 30, 10))
+    w = Workload("two steps", groups, tuple(float(g.tokens) for g in groups))
+    f = run_policy("sync", w, cost, 2, groups_per_step=2, train_s=0.0, refit_s=0.0)
+    assert f.steps == 2
+    assert f.skewness == pytest.approx(1.0)
+    assert f.step_skewness == pytest.approx(1.5)
+    assert f.tail_s == pytest.approx(30.0)
+    assert f.wall_s == pytest.approx(60.0)
 
 
 def test_a_group_that_falls_behind_the_lag_bound_is_stopped_and_its_tokens_wasted() -> None:
