@@ -22,7 +22,10 @@ Policies, chosen by name (``policy = "..."`` in the scheduler's table, ``make_po
   one, so the split follows measured throughput alone. Long and short prompts mix on every
   instance, and a slower instance gets less. All samples of a prompt are one group, issued
   to one instance in one request, so they share its prefix cache within a weight version by
-  construction.
+  construction. A requeued prompt goes back to the instance that prefilled it (its home,
+  ``prefix_home``) while that instance holds the same weight version and its predicted wait
+  exceeds the least by no more than ``AFFINITY_SLACK`` times the prompt's own predicted time
+  there: prefix affinity, unless the wait is too long.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+AFFINITY_SLACK = 1.0
+"""How much longer than the least predicted wait a requeued prompt may wait for its home
+instance, in units of its own predicted time there (1: going home may at most double the time
+until it is done)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,8 @@ class Candidates:
     fresh: Sequence[int]
     predicted: Mapping[int, float] | None = None
     """Predicted completion tokens of each candidate group; None: no prediction."""
+    homes: Mapping[int, tuple[str, int]] | None = None
+    """Queued prompt -> (instance, weight version) that prefilled it before (``prefix_home``)."""
 
 
 class DispatchPolicy(Protocol):
@@ -136,6 +146,12 @@ class PredictedWait:
                 wait[i.name] = i.predicted_tokens / rate[i.name]
         predicted = candidates.predicted or {}
         queued = set(candidates.queued)
+        versions = {i.name: i.weight_version for i in instances}
+        homes = {
+            p: name
+            for p, (name, version) in (candidates.homes or {}).items()
+            if name in wait and version is not None and versions.get(name) == version
+        }  # still holding the version its prefix was cached under
 
         def longest_first(p: int) -> tuple[float, int]:
             return -predicted.get(p, 1.0), p
@@ -151,6 +167,11 @@ class PredictedWait:
         for p in ranked[: request.room]:
             # The least wait; on a tie the asking instance, which has room now.
             j = min(wait, key=lambda n: (wait[n], n != request.instance, n))
+            home = homes.get(p)
+            if home is not None and wait[home] - wait[j] <= (
+                AFFINITY_SLACK * predicted.get(p, 1.0) / rate[home]
+            ):
+                j = home
             wait[j] += predicted.get(p, 1.0) / rate[j]
             if j == request.instance:
                 chosen.append(p)

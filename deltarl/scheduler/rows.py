@@ -16,6 +16,7 @@ import orjson
 from deltarl.scheduler.blob_table import BLOB_SCHEMA
 from deltarl.scheduler.eval_store import EVAL_SCHEMA
 from deltarl.scheduler.length_log import LENGTH_SCHEMA
+from deltarl.scheduler.prefix_home import HOME_SCHEMA
 from deltarl.scheduler.reward_stats import STEP_REWARDS_SCHEMA
 from deltarl.scheduler.step_busy import BUSY_SCHEMA
 from deltarl.scheduler.token_lag import TOKEN_LAG_SCHEMA
@@ -103,6 +104,8 @@ SCHEMA = (
     *LENGTH_SCHEMA,
     # Instances' busy seconds per step (step_busy); created on open in an older file.
     *BUSY_SCHEMA,
+    # Where requeued prompts were prefilled (prefix_home); created on open in an older file.
+    *HOME_SCHEMA,
 )
 
 

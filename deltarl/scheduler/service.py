@@ -473,7 +473,8 @@ class SchedulerService(DaemonCore):
 
     def _training_work(self, cmd: GetWork, inst: Instance, max_groups: int) -> Work:
         cfg = self.config
-        benched = self.stragglers.benched_for(inst.name, self.monotonic())
+        now = self.monotonic()
+        benched = self.stragglers.benched_for(inst.name, now)
         if benched is not None:
             return self._wait(f"straggler: benched, back in {benched:.0f} s")
         gate = self._lag_gate(inst.weight_version)
@@ -493,7 +494,9 @@ class SchedulerService(DaemonCore):
         predicted = {
             p: t for p in [*queued, *range(cursor, end)] if (t := self.predicted_tokens(p))
         }
-        candidates = Candidates(queued, range(cursor, end), predicted or None)
+        candidates = Candidates(
+            queued, range(cursor, end), predicted or None, self.store.prefix_homes(queued)
+        )
         if not candidates.queued and not candidates.fresh:
             return self._wait("dataset exhausted" if want else "asked for no groups")
         held: dict[str, int] = dict.fromkeys(self.instances, 0)
@@ -514,6 +517,10 @@ class SchedulerService(DaemonCore):
                 held_tokens[i.name],
             )
             for i in self.instances.values()
+            # A benched straggler takes no work: counted as a peer with nothing to do, it would
+            # draw the longest prompts in the policy's share-out (and their prefix homes) and
+            # leave them unissued until it came back.
+            if i.name == cmd.instance or self.stragglers.benched_for(i.name, now) is None
         ]
         chosen = self.policy.choose(WorkRequest(cmd.instance, max_groups, room), loads, candidates)
         if not chosen:

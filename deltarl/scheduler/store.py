@@ -41,7 +41,14 @@ from typing import Any
 import orjson
 
 from deltarl.config.rl import LagRule
-from deltarl.scheduler import length_log, reward_stats, step_busy, token_lag, token_waste
+from deltarl.scheduler import (
+    length_log,
+    prefix_home,
+    reward_stats,
+    step_busy,
+    token_lag,
+    token_waste,
+)
 from deltarl.scheduler.eval_store import EvalTables
 from deltarl.scheduler.restore import StepRestore
 from deltarl.scheduler.retention import StepRetention
@@ -102,6 +109,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
         ref = conn.execute(
             "SELECT samples_ref FROM prompts WHERE prompt_id = ?", (prompt_id,)
         ).fetchone()
+        prefix_home.remember(conn, prompt_id, note)  # before its instance and version go
         conn.execute(
             "UPDATE prompts SET state = 'queued', attempt = attempt + 1, instance = NULL,"
             " session = NULL, lease_deadline = NULL, weight_version = NULL, issued_at = NULL,"
@@ -148,6 +156,12 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
                 (limit,),
             )
             return [r[0] for r in rows]
+
+    def prefix_homes(self, prompt_ids: Sequence[int]) -> dict[int, tuple[str, int]]:
+        """``prefix_home.homes``: where each requeued prompt was prefilled, and under which
+        weight version."""
+        with self._read() as conn:
+            return prefix_home.homes(conn, prompt_ids)
 
     def state_counts(self) -> dict[str, int]:
         with self._read() as conn:
@@ -263,6 +277,15 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
                     issued.append(group)
             if issued:
                 self._bump(conn, "issued_groups", len(issued))
+                # a hit on the home counts, and so does a miss: it is the same group either way
+                homes = prefix_home.homes(conn, [g.prompt_id for g in issued])
+                home_hits = sum(
+                    1 for p, (i, v) in homes.items() if i == instance and v == weight_version
+                )
+                if homes:
+                    self._bump(conn, "prefix_home.hit", home_hits)
+                    self._bump(conn, "prefix_home.miss", len(homes) - home_hits)
+                prefix_home.forget(conn, [g.prompt_id for g in issued])
         return issued
 
     def requeue_instance(
@@ -280,6 +303,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
                 self._requeue(conn, p, reason)
             if rows:
                 self._bump(conn, f"requeued.{reason}", len(rows))
+            prefix_home.forget_instance(conn, instance)
             return len(rows)
 
     def requeue_not_held(
@@ -473,6 +497,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
         if max_failures and failures >= max_failures:
             state = PromptState.ABANDONED
             self._bump(conn, "abandoned_prompts")
+            prefix_home.forget(conn, [group.prompt_id])
         conn.execute(
             "UPDATE prompts SET reward_failures = ?, state = ? WHERE prompt_id = ?",
             (failures, state.value, group.prompt_id),
