@@ -20,9 +20,13 @@ M, and at the top ``lag`` (the bound, ``--lag``) and ``lag_rule`` (``--lag-rule`
 of a group its lag is measured from; ``partial`` lets groups go on under new weights).
 Also added to each M: ``step_skewness``, the median over steps of the skewness the scheduler
 records per step (the busiest instance's busy time since the previous step over the mean), and
-``tail_s``, the seconds after the last group was issued. ``skewness`` is over the whole run, so
-on a workload of a few steps it mostly measures that tail: the drain of a finite dataset, when
-an idle instance has nothing left to take while the last long groups finish.
+``tail_s``, the seconds after the last group was issued, and ``step_tokens_min`` /
+``step_tokens_max``, the smallest and largest step's mean completion tokens per group over the
+workload's mean (what dispatch by length does to each step's mix); at the top, ``lookahead``
+(``--lookahead``: the ``deltarl`` policy's window, as the scheduler's ``lookahead``).
+``skewness`` is over the whole run, so on a workload of a few steps it mostly measures that
+tail: the drain of a finite dataset, when an idle instance has nothing left to take while the
+last long groups finish.
 ``real``: the same policies on the real rollout daemons (``--real``), the same M for each plus
 ``model_error``; null without ``--real``.
 """
@@ -40,6 +44,7 @@ import orjson
 
 from deltarl.atomic_file import write_atomic
 from deltarl.sim.schedule_model import (
+    DEFAULT_LOOKAHEAD,
     LAG_RULES,
     POLICIES,
     CostModel,
@@ -60,6 +65,7 @@ def run(
     lag: int = 1,
     lag_rule: str = "oldest_token",
     max_token_lag: int | None = None,
+    lookahead: int = DEFAULT_LOOKAHEAD,
 ) -> dict[str, Any]:
     figures = {
         p: run_policy(
@@ -73,6 +79,7 @@ def run(
             lag=lag,
             lag_rule=lag_rule,
             token_cap=max_token_lag,
+            lookahead=lookahead,
         )
         for p in POLICIES
     }
@@ -87,6 +94,8 @@ def run(
             "over_bound_token_ratio": f.over_bound_token_ratio,
             "step_skewness": f.step_skewness,
             "tail_s": f.tail_s,
+            "step_tokens_min": f.step_tokens_min,
+            "step_tokens_max": f.step_tokens_max,
         }
         for p, f in figures.items()
     }
@@ -101,6 +110,7 @@ def run(
         "lag": lag,
         "lag_rule": lag_rule,
         "max_token_lag": max_token_lag,
+        "lookahead": lookahead,
     }
 
 
@@ -235,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         "groups go on under new weights)",
     )
     ap.add_argument(
+        "--lookahead",
+        type=int,
+        default=DEFAULT_LOOKAHEAD,
+        metavar="N",
+        help=f"the deltarl policy's window past what may be issued now, as the scheduler's "
+        f"lookahead (default {DEFAULT_LOOKAHEAD})",
+    )
+    ap.add_argument(
         "--max-token-lag",
         type=int,
         default=None,
@@ -247,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prompts, --n, --instances and --groups-per-step must be at least 1")
     if args.lag < 0:
         ap.error("--lag must not be negative")
+    if args.lookahead < 0:
+        ap.error("--lookahead must not be negative")
     if args.convergence:
         return _convergence(args)
     calibration = None
@@ -288,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         args.lag,
         args.lag_rule,
         args.max_token_lag,
+        args.lookahead,
     )
     if args.real:
         from deltarl.bench.schedule_real import run_real  # noqa: PLC0415 - only when used

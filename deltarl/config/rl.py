@@ -215,6 +215,12 @@ class SchedulerConfig(DaemonTable):
     policy: str = "fifo"
     """The dispatch policy by name (deltarl.scheduler.policy.POLICIES): fifo, least_requests,
     sync (the synchronous baseline) or deltarl (predicted wait, longest first)."""
+    lookahead: int = 64
+    """How many fresh prompts past those that may be issued now the ``deltarl`` policy
+    chooses among (longest predicted first). Wider starts long prompts earlier: less drain at
+    a dataset's end and fewer stale long groups, but each step's prompts drift further from
+    the dataset's (or the plan's) order, and steps of mostly short completions appear
+    (measured: README, "Length-aware scheduling"). Other policies ignore it."""
     plan: Path | None = None
     """An offline plan (``deltarl plan``): prompts issued in its order, predictions from it,
     corrected online (deltarl/scheduler/plan_view.py). None: dataset order, no predictions."""
@@ -308,6 +314,7 @@ class SchedulerConfig(DaemonTable):
         if self.samples is None:
             samples_endpoint(self.control)  # derivable now, not a surprise at bind time
         non_negative(self, "max_policy_lag_steps", "reward_retries", "max_reward_failures")
+        non_negative(self, "lookahead")
         cap = self.max_token_lag_steps
         if cap is not None and cap < self.max_policy_lag_steps:
             raise ValueError(

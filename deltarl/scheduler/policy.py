@@ -196,8 +196,13 @@ POLICIES: dict[str, Callable[[], DispatchPolicy]] = {
 }
 
 
-def make_policy(name: str) -> DispatchPolicy:
+def make_policy(name: str, lookahead: int | None = None) -> DispatchPolicy:
+    """The policy called ``name``; ``lookahead`` (``deltarl`` only): its window, else the
+    default."""
     try:
-        return POLICIES[name]()
+        policy = POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown dispatch policy {name!r}; known: {sorted(POLICIES)}") from None
+    if lookahead is not None and isinstance(policy, PredictedWait):
+        policy = PredictedWait(policy.name, lookahead, policy.max_lag)
+    return policy

@@ -155,7 +155,7 @@ class SchedulerService(DaemonCore):
         self.plan = self._load_plan(config, store)
         self.task: Task = base if self.plan is None else PlannedTask(base, self.plan.plan)
         self.dataset_size = config.dataset_size or (self.plan.plan.size if self.plan else 0)
-        self.policy = policy or make_policy(config.policy)
+        self.policy = policy or make_policy(config.policy, config.lookahead)
         self.stragglers = StragglerJudge(
             config.straggler_ratio, config.straggler_window_s, config.straggler_cooldown_s
         )

@@ -65,6 +65,8 @@ import numpy as np
 POLICIES = ("sync", "least_requests", "deltarl")
 LAG_RULES = ("oldest_token", "partial")
 MAX_ATTEMPTS = 3
+DEFAULT_LOOKAHEAD = 64
+"""The ``deltarl`` policy's window, as the scheduler's ``lookahead`` default."""
 """A prompt dropped stale this often is given up (as the scheduler abandons failing ones)."""
 DONE_EPS = 1e-6
 """Tokens left under which a sequence is done (fractional steps round off)."""
@@ -229,6 +231,11 @@ class Figures:
     step_skewness: float = 1.0
     """The median over steps of each step's skewness, as the scheduler records it: the
     busiest instance's busy time since the previous step over the mean."""
+    step_tokens_min: float = 1.0
+    step_tokens_max: float = 1.0
+    """The smallest and largest step's mean completion tokens per group, over the workload's
+    mean: how far dispatch by length skews what each step trains on (1 and 1: every step the
+    workload's mix)."""
     tail_s: float = 0.0
     """Wall seconds after the last group was issued: the finite workload's drain, when there
     is nothing left to give an idle instance (what ``skewness`` over the run mostly measures
@@ -312,7 +319,8 @@ class _Run:
 
     def _candidates(self) -> list[int]:
         n = len(self.w.groups)
-        ahead = self.lookahead if self.policy == "deltarl" else 1
+        # one at a time: a window of 0 past it is the next one alone, in order
+        ahead = max(self.lookahead, 1) if self.policy == "deltarl" else 1
         return self.queue[:ahead] + list(range(self.fresh, min(self.fresh + ahead, n)))
 
     def _take(self, g: int) -> None:
@@ -503,6 +511,11 @@ class _Run:
         mean_gen = statistics.fmean(gen) if gen else 0.0
         steps = [[r.index for r in s] for s in self.steps]
         made = self.trained + self.wasted
+        mean_tokens = statistics.fmean(g.tokens for g in self.w.groups)
+        per_step = [
+            statistics.fmean(self.w.groups[r.index].tokens for r in s) / mean_tokens
+            for s in self.steps
+        ] or [1.0]
         step_skew = []
         before = [0.0] * len(self.insts)
         for at in self.busy_at_ship:
@@ -521,6 +534,8 @@ class _Run:
             token_lag_mean=self.lag_tokens / self.trained if self.trained else 0.0,
             over_bound_token_ratio=self.over_bound / self.trained if self.trained else 0.0,
             step_skewness=statistics.median(step_skew) if step_skew else 1.0,
+            step_tokens_min=min(per_step),
+            step_tokens_max=max(per_step),
             tail_s=max(self.now - self.last_issue, 0.0),
         )
 
@@ -552,7 +567,7 @@ def run_policy(
     refit_s: float,
     micro: int = 8,
     lag: int = 1,
-    lookahead: int = 64,
+    lookahead: int = DEFAULT_LOOKAHEAD,
     lag_rule: str = "oldest_token",
     token_cap: int | None = None,
 ) -> Figures:

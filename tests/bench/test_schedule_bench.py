@@ -13,7 +13,15 @@ from typing import Any
 import orjson
 import pytest
 
-from deltarl.sim.schedule_model import CostModel, PromptGroup, Workload, run_policy
+from deltarl.config.rl import SchedulerConfig
+from deltarl.scheduler.policy import PredictedWait
+from deltarl.sim.schedule_model import (
+    DEFAULT_LOOKAHEAD,
+    CostModel,
+    PromptGroup,
+    Workload,
+    run_policy,
+)
 
 METRICS = {
     "throughput_tok_s",
@@ -25,6 +33,8 @@ METRICS = {
     "over_bound_token_ratio",
     "step_skewness",
     "tail_s",
+    "step_tokens_min",
+    "step_tokens_max",
 }
 
 
@@ -54,6 +64,7 @@ def test_the_json_contract_and_the_synchronous_loop_is_slowest() -> None:
         "lag",
         "lag_rule",
         "max_token_lag",
+        "lookahead",
         "cost_model",
         "calibrated",
     }
@@ -111,6 +122,32 @@ def test_one_instance_one_group_takes_the_cost_models_time() -> None:
     assert f.wall_s == pytest.approx(expected)
     assert f.throughput_tok_s == pytest.approx(8 / expected)
     assert f.skewness == pytest.approx(1.0)
+
+
+def test_the_lookahead_is_the_deltarl_policys_window() -> None:
+    """0: the next prompt alone, in order; wider: longest first among more. The default is
+    the scheduler's, and a negative window is refused."""
+    assert PredictedWait().lookahead == DEFAULT_LOOKAHEAD
+    assert SchedulerConfig(control="ipc:///tmp/x.sock", db=Path("x")).lookahead == (
+        DEFAULT_LOOKAHEAD
+    )
+    runs = {}
+    for window in (0, 256):
+        code, result, err = _bench(
+            "--prompts", "256", "--instances", "8", "--groups-per-step", "32",
+            "--lookahead", str(window),
+        )  # fmt: skip
+        assert code == 0, err
+        assert result is not None
+        assert result["lookahead"] == window
+        runs[window] = result["policies"]
+        assert runs[window]["deltarl"]["throughput_tok_s"] > 0
+    # the window changes only deltarl's dispatch
+    assert runs[0]["least_requests"] == runs[256]["least_requests"]
+    assert runs[0]["deltarl"] != runs[256]["deltarl"]
+    code, result, err = _bench("--lookahead", "-1")
+    assert code == 2
+    assert "--lookahead must not be negative" in err
 
 
 def test_step_skewness_is_per_step_and_the_tail_is_the_drain() -> None:

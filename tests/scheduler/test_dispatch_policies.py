@@ -67,6 +67,18 @@ def test_every_policy_is_known_by_name():
     assert make_policy("sync").max_lag == 0
     with pytest.raises(ValueError, match="known"):
         make_policy("nope")
+    # the scheduler's lookahead sets deltarl's window and nothing else's
+    assert make_policy("deltarl", 512).lookahead == 512
+    assert make_policy("deltarl", 512).name == "deltarl"
+    assert make_policy("fifo", 512).lookahead == 0
+
+
+def test_the_scheduler_dispatches_with_its_configured_lookahead(tmp_path):
+    svc, _, _ = make_service(tmp_path, policy="deltarl", lookahead=7)
+    assert svc.policy.lookahead == 7
+    (tmp_path / "neg").mkdir()
+    with pytest.raises(ValueError, match="lookahead"):
+        make_service(tmp_path / "neg", policy="deltarl", lookahead=-1)
 
 
 def test_predicted_wait_gives_the_asker_the_longest_first_while_its_wait_is_least():
