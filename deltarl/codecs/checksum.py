@@ -43,6 +43,16 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # A forked child has none of the parent's threads: work handed to the inherited pool
+    # would never run. The child makes its own on first use.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _hash_pool() -> ThreadPoolExecutor:
     global _pool  # noqa: PLW0603 - one pool per process, made on first use
     with _pool_lock:

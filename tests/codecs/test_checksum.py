@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 import xxhash
@@ -44,3 +48,33 @@ def test_digests_match_one_thread_whatever_the_split(
     assert tensor_digests(layout, buf) == want
     chosen = [6, 0, 3, 2]
     assert tensor_digests(layout, buf, chosen) == [want[i] for i in chosen]
+
+
+def test_a_forked_child_hashes_with_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's pool has threads; a forked child inherits the object but not the threads,
+    so it must make its own, not wait for ever on the inherited one."""
+    monkeypatch.setattr(checksum, "HASH_THREADS", 2)
+    layout = Layout.pack([(f"t{i}", "uint8", (12 << 20,)) for i in range(2)])
+    buf = np.arange(layout.nbytes, dtype=np.uint64).astype(np.uint8)
+    want = tensor_digests(layout, buf)  # the parent's pool now exists, with its threads
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hash, report, leave without running the parent's cleanup
+        try:
+            ok = tensor_digests(layout, buf) == want
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung hashing on the parent's pool")
+    assert os.read(read, 1) == b"1"
+    os.close(read)
