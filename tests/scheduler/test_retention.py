@@ -31,8 +31,15 @@ from tests.scheduler.helpers import Clock, make_service
 GROUPS = 2  # groups per step
 
 
-def step(store: SchedulerStore, n: int, *, checkpoint: bool = True) -> None:
-    """Prompts issued, pooled and shipped to step ``n``, trained (and checkpointed)."""
+def step(
+    store: SchedulerStore,
+    n: int,
+    *,
+    checkpoint: bool = True,
+    busy: dict[str, float] | None = None,
+) -> None:
+    """Prompts issued, pooled and shipped to step ``n`` (with the instances' ``busy``
+    seconds), trained (and checkpointed)."""
     groups = store.issue(
         range(store.cursor, store.cursor + GROUPS),
         instance="a",
@@ -43,7 +50,7 @@ def step(store: SchedulerStore, n: int, *, checkpoint: bool = True) -> None:
     for g in groups:
         data = f"samples of {g.group_id}".encode()
         store.pool(g.prompt_id, g.attempt, (f"d{g.group_id}", data), [1.0, 0.0], n - 1)
-    assert len(store.ship(n, GROUPS, n - 1, max_lag=2).groups) == GROUPS
+    assert len(store.ship(n, GROUPS, n - 1, max_lag=2, busy=busy).groups) == GROUPS
     assert store.step_done(n, n, {"loss": 0.1})
     if checkpoint:
         store.checkpoint(n)

@@ -10,23 +10,11 @@ import pytest
 from deltarl.scheduler.step_busy import skewness
 from deltarl.scheduler.store import SchedulerStore
 from tests.scheduler.helpers import Clock
-
-GROUPS = 2
+from tests.scheduler.test_retention import step as retention_step
 
 
 def step(store: SchedulerStore, n: int, busy: dict[str, float] | None) -> None:
-    groups = store.issue(
-        range(store.cursor, store.cursor + GROUPS),
-        instance="a",
-        session="s",
-        weight_version=n - 1,
-        lease_s=100.0,
-    )
-    for g in groups:
-        store.pool(g.prompt_id, g.attempt, (f"d{g.group_id}", b"x"), [1.0, 0.0], n - 1)
-    assert len(store.ship(n, GROUPS, n - 1, max_lag=2, busy=busy).groups) == GROUPS
-    assert store.step_done(n, n, {"loss": 0.1})
-    store.checkpoint(n)
+    retention_step(store, n, busy=busy)
 
 
 def test_skewness_is_max_over_mean_of_the_interval() -> None:
