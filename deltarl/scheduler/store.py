@@ -277,10 +277,10 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
                     issued.append(group)
             if issued:
                 self._bump(conn, "issued_groups", len(issued))
-                # a hit on the home counts, and so does a miss: it is the same group either way
+                # Of the prompts with a home: went back to it (hit) or elsewhere (miss).
                 homes = prefix_home.homes(conn, [g.prompt_id for g in issued])
                 home_hits = sum(
-                    1 for p, (i, v) in homes.items() if i == instance and v == weight_version
+                    1 for i, v in homes.values() if i == instance and v == weight_version
                 )
                 if homes:
                     self._bump(conn, "prefix_home.hit", home_hits)
