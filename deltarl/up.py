@@ -146,6 +146,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
                 else {}
             ),
             "policy": args.policy,
+            **({"lookahead": args.lookahead} if args.lookahead is not None else {}),
             **({"plan": str(args.plan.resolve())} if args.plan is not None else {}),
             "seed": args.seed,
             "sampling": {
@@ -269,6 +270,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         metavar="K",
         help="under --lag-rule partial: drop (or abort) a group whose oldest token is more "
         "than K versions behind (default: no cap)",
+    )
+    ap.add_argument(
+        "--lookahead",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --policy deltarl: how many prompts past those that may be issued now it "
+        "chooses among, longest first (the scheduler's lookahead; default 64)",
     )
     ap.add_argument(
         "--delta-coding",

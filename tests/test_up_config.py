@@ -38,6 +38,13 @@ def test_trainer_ranks_share_the_trainer_threads(tmp_path: Path) -> None:
     assert daemons["trainer"]["threads"] >= 1
 
 
+def test_the_dispatch_window_reaches_the_scheduler(tmp_path: Path) -> None:
+    daemons = _tables(tmp_path, ["--policy", "deltarl", "--lookahead", "1024"])
+    assert (daemons["scheduler"]["policy"], daemons["scheduler"]["lookahead"]) == ("deltarl", 1024)
+    (tmp_path / "default").mkdir()
+    assert "lookahead" not in _tables(tmp_path / "default", [])["scheduler"]  # its default
+
+
 def test_one_rollout_by_default_and_bad_counts_are_refused(tmp_path: Path) -> None:
     daemons = _tables(tmp_path, [])
     assert [d for d in daemons if d.startswith("rollout")] == ["rollout"]
