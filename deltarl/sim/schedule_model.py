@@ -65,9 +65,9 @@ import numpy as np
 POLICIES = ("sync", "least_requests", "deltarl")
 LAG_RULES = ("oldest_token", "partial")
 MAX_ATTEMPTS = 3
+"""A prompt dropped stale this often is given up (as the scheduler abandons failing ones)."""
 DEFAULT_LOOKAHEAD = 64
 """The ``deltarl`` policy's window, as the scheduler's ``lookahead`` default."""
-"""A prompt dropped stale this often is given up (as the scheduler abandons failing ones)."""
 DONE_EPS = 1e-6
 """Tokens left under which a sequence is done (fractional steps round off)."""
 
