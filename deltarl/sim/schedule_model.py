@@ -55,12 +55,15 @@ time groups take to generate: what the scheduler records per step), ``wasted_tok
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from deltarl.scheduler.step_busy import skewness
 
 POLICIES = ("sync", "least_requests", "deltarl")
 LAG_RULES = ("oldest_token", "partial")
@@ -516,13 +519,14 @@ class _Run:
             statistics.fmean(self.w.groups[r.index].tokens for r in s) / mean_tokens
             for s in self.steps
         ] or [1.0]
-        step_skew = []
-        before = [0.0] * len(self.insts)
-        for at in self.busy_at_ship:
-            spent = [b - a for a, b in zip(before, at, strict=True)]
-            before = at
-            if statistics.fmean(spent) > 0:
-                step_skew.append(max(spent) / statistics.fmean(spent))
+        # each step's figure by the scheduler's own arithmetic (step_busy.skewness)
+        zero = [0.0] * len(self.insts)
+        snapshots = [{str(i): b for i, b in enumerate(at)} for at in [zero, *self.busy_at_ship]]
+        step_skew = [
+            s
+            for before, after in itertools.pairwise(snapshots)
+            if (s := skewness(before, after)) is not None
+        ]
         return Figures(
             throughput_tok_s=self.trained / self.now if self.now > 0 else 0.0,
             padding_ratio=_padding(self.w, steps, self.micro, self.policy == "deltarl"),
