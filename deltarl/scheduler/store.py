@@ -285,7 +285,7 @@ class SchedulerStore(EvalTables, StepRetention, StepRestore):
                 if homes:
                     self._bump(conn, "prefix_home.hit", home_hits)
                     self._bump(conn, "prefix_home.miss", len(homes) - home_hits)
-                prefix_home.forget(conn, [g.prompt_id for g in issued])
+                prefix_home.forget(conn, homes)  # only those that had one
         return issued
 
     def requeue_instance(
