@@ -1,7 +1,7 @@
 """Prefix affinity for requeued prompts (deltarl/scheduler/prefix_home.py, the ``deltarl``
 policy): a prompt whose reward failed goes back to the instance that prefilled it while that
 instance holds the same weight version and its wait is not too long; other requeues keep no
-home; a benched straggler draws no share of the work."""
+home. (That a benched straggler draws no share of the work: tests/scheduler/test_service.py.)"""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ from deltarl.transport.messages import Error
 from tests.scheduler.helpers import make_service, samples, submission, work
 
 RATE = 10.0  # tokens/s of every instance below
+
+
+def _broken(prompt: str, text: str) -> float:
+    """A reward function that fails: the group is dropped as ``reward_error``."""
+    raise ValueError("cannot parse")
 
 
 def _loads(a_tokens: float, b_tokens: float, a_version: int = 3) -> list[InstanceLoad]:
@@ -65,15 +70,12 @@ def test_a_prompt_whose_reward_failed_is_issued_back_to_its_instance(
     (a negative slack: never home) gives it to b, who asks first."""
     monkeypatch.setattr(policy_module, "AFFINITY_SLACK", slack)
 
-    def broken(prompt: str, text: str) -> float:
-        raise ValueError("cannot parse")
-
     async def go() -> None:
         svc, store, _ = make_service(tmp_path, policy="deltarl", reward_retries=0)
         ok = svc.scorer.fn
         await svc.heartbeat(Heartbeat("b", "s1", weight_version=0))
         g, _ = (await work(svc, instance="a", n=2)).groups
-        svc.scorer.fn = broken
+        svc.scorer.fn = _broken
         reply = await svc.submit_group(submission(svc, "a", "s1", g["group_id"], samples(g, 4)))
         assert isinstance(reply, Error)
         assert reply.code == "reward_error"
@@ -94,14 +96,11 @@ def test_a_prompt_whose_reward_failed_is_issued_back_to_its_instance(
 
 
 def test_a_refitted_home_and_other_requeues_keep_no_affinity(tmp_path: Path) -> None:
-    def broken(prompt: str, text: str) -> float:
-        raise ValueError("cannot parse")
-
     async def go() -> None:
         svc, store, _ = make_service(tmp_path, policy="deltarl", reward_retries=0)
         w = await work(svc, instance="a", n=2)
         first, second = w.groups
-        svc.scorer.fn = broken
+        svc.scorer.fn = _broken
         await svc.submit_group(submission(svc, "a", "s1", first["group_id"], samples(first, 4)))
         assert store.prefix_homes([first["prompt_id"]]) == {first["prompt_id"]: ("a", 0)}
         # a restarts (a new session): what it held is requeued with no home, and the home
@@ -115,14 +114,11 @@ def test_a_refitted_home_and_other_requeues_keep_no_affinity(tmp_path: Path) -> 
 
 
 def test_a_home_that_refitted_is_passed_over_and_counted_a_miss(tmp_path: Path) -> None:
-    def broken(prompt: str, text: str) -> float:
-        raise ValueError("cannot parse")
-
     async def go() -> None:
         svc, store, _ = make_service(tmp_path, policy="deltarl", reward_retries=0)
         ok = svc.scorer.fn
         (g,) = (await work(svc, instance="a", n=1)).groups
-        svc.scorer.fn = broken
+        svc.scorer.fn = _broken
         await svc.submit_group(submission(svc, "a", "s1", g["group_id"], samples(g, 4)))
         svc.scorer.fn = ok
         await svc.heartbeat(Heartbeat("a", "s1", weight_version=1))  # a refitted
