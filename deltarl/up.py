@@ -62,6 +62,7 @@ import orjson
 from deltarl import up_curves
 from deltarl.config import write_toml
 from deltarl.launch import DaemonGroup
+from deltarl.ops.placement import parse_cpu_list
 from deltarl.recorded_versions import VersionRecorder
 from deltarl.rl.protocol import REPLIES, GetHistory, History
 from deltarl.up_models import PROFILES, Profile
@@ -208,6 +209,8 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_running_groups": 2 * args.groups_per_step,
             "engine": engine,
         }
+    for name, cpus in args.cpus.items():
+        daemons[name]["cpus"] = cpus
     for i, name in enumerate(run.order):
         daemons[name]["metrics"] = (
             f"unix:{shm}/{name}.metrics"
@@ -346,6 +349,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="rollout daemons, each its own vLLM engine, all fed by the scheduler and reading "
         "the one apply agent's weight store (default 1)",
     )
+    ap.add_argument(
+        "--cpus",
+        action="append",
+        default=[],
+        metavar="DAEMON=LIST",
+        help="run a daemon on these CPUs (a Linux cpu list: 0, 2-3, 0,4-7; its table's "
+        "`cpus`): scheduler, trainer, export, apply, or rollout (every rollout daemon) or "
+        "rollout-N (one); repeatable. trainer=1 rollout=0 gives training and generation a "
+        "core each, as separate machines would",
+    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="give up after this long")
     args = ap.parse_args(argv)
     if args.steps < 1:
@@ -365,11 +378,34 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             args.engine_args[key] = orjson.loads(value)
         except orjson.JSONDecodeError:
             args.engine_args[key] = value  # a plain string
+    args.cpus = _cpus(ap, args.cpus, args.rollouts)
     profile = PROFILES[args.model]
     for key in ("task", "group_size", "groups_per_step", "max_tokens", "lr", "temperature"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(profile, key))
     return args
+
+
+def _cpus(ap: argparse.ArgumentParser, items: list[str], rollouts: int) -> dict[str, str]:
+    """``--cpus DAEMON=LIST`` items as daemon name -> cpu list (``rollout``: every rollout
+    daemon; a later item for the same daemon wins)."""
+    names = [d for d in ORDER if d != "rollout"]
+    rollout_names = ["rollout", *(f"rollout-{i}" for i in range(2, rollouts + 1))]
+    out: dict[str, str] = {}
+    for item in items:
+        daemon, eq, cpus = item.partition("=")
+        if not eq or daemon not in [*names, *rollout_names]:
+            ap.error(
+                f"--cpus takes DAEMON=LIST with DAEMON one of "
+                f"{', '.join([*names, *rollout_names])}, got {item!r}"
+            )
+        try:
+            parse_cpu_list(cpus)
+        except ValueError as e:
+            ap.error(f"--cpus {item!r}: {e}")
+        for name in rollout_names if daemon == "rollout" else [daemon]:
+            out[name] = cpus
+    return out
 
 
 def _recorded(run: Run, step: int) -> bool:

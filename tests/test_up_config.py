@@ -45,6 +45,24 @@ def test_the_dispatch_window_reaches_the_scheduler(tmp_path: Path) -> None:
     assert "lookahead" not in _tables(tmp_path / "default", [])["scheduler"]  # its default
 
 
+def test_cpus_reach_each_daemon_and_rollout_means_every_rollout(tmp_path: Path) -> None:
+    cpus_args = ["--cpus", "trainer=1", "--cpus", "rollout=0", "--cpus", "rollout-3=0-1"]
+    daemons = _tables(tmp_path, ["--rollouts", "3", *cpus_args])
+    cpus = {name: table.get("cpus") for name, table in daemons.items()}
+    assert cpus == {
+        "scheduler": None,
+        "trainer": "1",
+        "export": None,
+        "apply": None,
+        "rollout": "0",
+        "rollout-2": "0",
+        "rollout-3": "0-1",  # a later item for one daemon wins
+    }
+    for bad in ["trainer", "nobody=0", "trainer=1-0", "rollout-2=0"]:  # one rollout only
+        with pytest.raises(SystemExit):
+            up._parse(["--cpus", bad])
+
+
 def test_one_rollout_by_default_and_bad_counts_are_refused(tmp_path: Path) -> None:
     daemons = _tables(tmp_path, [])
     assert [d for d in daemons if d.startswith("rollout")] == ["rollout"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from deltarl.config.checks import endpoints, positive
 from deltarl.ops.exposition import parse_address
 from deltarl.ops.logs import FORMATS
+from deltarl.ops.placement import parse_cpu_list
 
 DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below the shortest TimeoutStopSec of the units (30 s)
 
@@ -35,11 +36,17 @@ class DaemonTable:
     audit_log: str | None = field(default=None, kw_only=True)
     """A file that every operator command this daemon receives is appended to, as JSON lines
     (who, which key, what, the result); they are in the daemon's log too."""
+    cpus: str | None = field(default=None, kw_only=True)
+    """The CPUs the daemon and every process it starts run on, as a Linux cpu list (``"0"``,
+    ``"2-3"``, ``"0,4-7"``); unset, those it was started with. Set at start (a change needs a
+    restart); a CPU the daemon may not use is refused then (``deltarl.ops.placement``)."""
 
     def __post_init__(self) -> None:
         positive(self, "drain_timeout_s")
         if self.metrics is not None:
             parse_address(self.metrics)  # ValueError names the key and says what is wanted
+        if self.cpus is not None:
+            parse_cpu_list(self.cpus)  # ValueError names the key and the bad item
         if self.log_format not in FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(FORMATS)}")
         endpoints(self, *(f.name for f in dataclasses.fields(self) if f.name in _ENDPOINTS))

@@ -24,7 +24,7 @@ from deltarl.config.base import DaemonTable
 from deltarl.engine import loop
 from deltarl.engine.daemon import DaemonContext, DaemonCore, serve
 from deltarl.engine.supervisor import EscalationError
-from deltarl.ops import logs
+from deltarl.ops import logs, placement
 from deltarl.transport.curve import CurveKeyError
 
 T = TypeVar("T")
@@ -55,6 +55,11 @@ def daemon_main(
         cfg = load(cls, args.name, args.config)
         try:
             logs.configure(daemon, args.name, cfg.log_format, cfg.audit_log)
+            if cfg.cpus is not None:  # before the core starts threads or processes
+                pinned = placement.pin(cfg.cpus)
+                logging.getLogger(__name__).info(
+                    "%s: pinned to CPUs %s", args.name, placement.format_cpu_list(pinned)
+                )
         except (ValueError, OSError) as e:
             raise ConfigError(f"[daemons.{args.name}]: {e}") from None
         return run(args.name, cfg, build, reload=lambda: load(cls, args.name, args.config))
