@@ -26,7 +26,8 @@ workload's mean (what dispatch by length does to each step's mix); at the top, `
 (``--lookahead``: the ``deltarl`` policy's window, as the scheduler's ``lookahead``).
 ``skewness`` is over the whole run, so on a workload of a few steps it mostly measures that
 tail: the drain of a finite dataset, when an idle instance has nothing left to take while the
-last long groups finish.
+last long groups finish. The default workload (``DEFAULT_PROMPTS``) is therefore 128 steps long,
+a short RL run, not 16 steps: there the drain is a few percent of the run, not a third.
 ``real``: the same policies on the real rollout daemons (``--real``), the same M for each plus
 ``model_error``; null without ``--real``.
 """
@@ -53,6 +54,11 @@ from deltarl.sim.schedule_model import (
     long_tailed,
     run_policy,
 )
+
+DEFAULT_PROMPTS = 16384
+"""The synthetic workload's prompts: 128 steps of 128 groups. With 16 steps (2048 prompts) the
+last step waits for every group still running, and that drain is a third of the run's wall
+time and most of its skewness (README, "run length")."""
 
 
 def run(
@@ -202,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="deltarl bench schedule", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--workload", type=Path, help="a trace: JSON list of prompt groups")
-    ap.add_argument("--prompts", type=int, default=2048, help="synthetic prompts (default 2048)")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=DEFAULT_PROMPTS,
+        help=f"synthetic prompts (default {DEFAULT_PROMPTS}: 128 steps at 128 groups a step)",
+    )
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
     ap.add_argument("--instances", type=int, default=32, help="instances (default 32)")
     ap.add_argument("--groups-per-step", type=int, default=128, help="default 128")
@@ -225,6 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-steps", type=int, default=12, help="steps of each real run")
     ap.add_argument("--real-rollouts", type=int, default=2, help="engines of each real run")
     ap.add_argument("--real-dir", type=Path, help="where the real runs go (default: a new dir)")
+    ap.add_argument(
+        "--real-cpus",
+        action="append",
+        default=[],
+        metavar="DAEMON=LIST",
+        help="pin the real runs' daemons, as `deltarl up --cpus` (trainer=1 rollout=0: training "
+        "and generation on a core each, as on separate machines); repeatable",
+    )
     ap.add_argument(
         "--convergence",
         type=Path,
@@ -267,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--lag must not be negative")
     if args.lookahead < 0:
         ap.error("--lookahead must not be negative")
+    if args.real_cpus and not args.real:
+        ap.error("--real-cpus pins the real runs' daemons: it needs --real")
     if args.convergence:
         return _convergence(args)
     calibration = None
@@ -323,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 rollouts=args.real_rollouts,
                 lag=args.lag,
                 lag_rule=args.lag_rule,
+                cpus=args.real_cpus,
             )
         except RuntimeError as e:
             print(f"deltarl bench schedule: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,11 @@ def run_real(
     rollouts: int,
     lag: int,
     lag_rule: str = "oldest_token",
+    cpus: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """``R`` of the bench's JSON: the policies on the real daemons, with the model's error."""
+    """``R`` of the bench's JSON: the policies on the real daemons, with the model's error.
+    ``cpus``: ``deltarl up --cpus`` items (``trainer=1``), the same for every run."""
+    pinning = [a for item in cpus for a in ("--cpus", item)]
     policies: dict[str, dict[str, float]] = {}
     predicted: dict[str, float] = {}
     for policy in POLICIES:
@@ -85,7 +89,7 @@ def run_real(
             f"--policy {policy}",
             "--model", "tiny", "--steps", str(steps), "--rollouts", str(rollouts),
             "--policy", policy, "--max-policy-lag", str(lag), "--workdir", str(workdir),
-            "--lag-rule", lag_rule,
+            "--lag-rule", lag_rule, *pinning,
         )  # fmt: skip
         real, trace = _store(workdir)
         times = summary.get("step_time") or {}
@@ -123,4 +127,5 @@ def run_real(
         ),
         "model_throughput_tok_s": predicted,
         "runs": str(root),
+        "cpus": list(cpus),
     }

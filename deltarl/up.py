@@ -41,7 +41,9 @@ over the bound, token-weighted over the run: ``deltarl/scheduler/token_lag.py``)
 object). ``--rollouts N`` runs N rollout daemons (``rollout``, ``rollout-2`` ...), each its own vLLM
 engine and scheduler instance, all reading the one apply agent's weight store. The keys about
 "the engine" above (versions_applied, refit_median_s) are the first one's; refit_bit_exact
-holds for every engine's every load.
+holds for every engine's every load. ``--cpus DAEMON=LIST`` pins a daemon (``rollout``: every
+rollout daemon) to CPUs, its table's ``cpus``: ``--cpus trainer=1 --cpus rollout=0`` gives
+training and generation a core each on two cores, as separate machines would.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,12 +41,15 @@ def test_the_cost_model_is_measured_written_and_used(tmp_path: Path) -> None:
 def test_the_real_half_runs_each_policy_on_the_daemons_and_measures_the_models_error(
     tmp_path: Path,
 ) -> None:
-    """Three `deltarl up` runs (minutes on two cores): `real` has the model half's shape plus
-    model_error, each policy's run directory holds its store, and the figures are sane."""
+    """Three `deltarl up` runs (minutes on two cores), their trainer and engines pinned to a
+    CPU each: `real` has the model half's shape plus model_error, each policy's run directory
+    holds its store, the daemons ran where they were pinned, and the figures are sane."""
+    trainer, rollout = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
     proc = subprocess.run(
         [sys.executable, "-m", "deltarl.cli", "bench", "schedule", "--json", "--prompts", "128",
          "--instances", "4", "--groups-per-step", "16", "--real", "--real-steps", "4",
-         "--real-dir", str(tmp_path / "runs")],
+         "--real-dir", str(tmp_path / "runs"), "--real-cpus", f"trainer={trainer}",
+         "--real-cpus", f"rollout={rollout}"],
         capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,10 +58,14 @@ def test_the_real_half_runs_each_policy_on_the_daemons_and_measures_the_models_e
     assert {"workload", "instances", "policies", "speedup_vs_sync", "speedup_vs_least_requests",
             "model_error"} <= set(real)  # fmt: skip
     assert set(real["policies"]) == {"sync", "least_requests", "deltarl"}
+    assert real["cpus"] == [f"trainer={trainer}", f"rollout={rollout}"]
     for policy, m in real["policies"].items():
         assert m["throughput_tok_s"] > 0, policy
         assert m["skewness"] >= 1
-        assert (tmp_path / "runs" / policy / "scheduler.sqlite").is_file()
+        run = tmp_path / "runs" / policy
+        assert (run / "scheduler.sqlite").is_file()
+        assert f"pinned to CPUs {trainer}" in (run / "trainer.log").read_text()
+        assert f"pinned to CPUs {rollout}" in (run / "rollout.log").read_text()
     assert real["model_error"] >= 0
 
 
