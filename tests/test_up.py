@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import orjson
 import pytest
 
 from deltarl import up
+from deltarl.refit.manifest_store import ManifestStore
 from tests.installed import require_vllm
 
 require_vllm()
@@ -266,6 +268,32 @@ def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
     assert result["duplicate_samples"] == 0
     assert result["samples_trained"] == steps * 8 * 8
     assert "rollout-2" in proc.stderr  # the summary's line per engine
+
+
+def test_conditioned_deltas_and_pinned_daemons(home: Path, tmp_path: Path) -> None:
+    """One run for two things ``deltarl up`` passes to its daemons.
+
+    ``--delta-coding conditioned`` at a learning rate low enough for sparse deltas (at the tiny
+    profile's own rate nearly every element moves and every tensor goes dense, so the coding
+    is never chosen): conditioned records carry most tensors, and every engine load is
+    bit-exact. ``--cpus``: the trainer and the rollout daemon ran on the CPUs given."""
+    workdir = tmp_path / "run"
+    trainer, rollout = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
+    proc = up_json(
+        home, "--steps", "3", "--delta-coding", "conditioned", "--lr", "1e-5",
+        "--workdir", str(workdir), "--cpus", f"trainer={trainer}", "--cpus", f"rollout={rollout}",
+    )  # fmt: skip
+    result = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["delta_coding"] == "conditioned"
+    assert result["refit_bit_exact"] is True
+    assert len(result["versions_applied"]) >= 2
+    with ManifestStore(workdir / "versions.sqlite", readonly=True) as ms:
+        deltas = [r for r in ms.history() if r.kind == "delta"]
+    assert deltas
+    codings = Counter(t.coding for r in deltas for t in r.manifest.tensors)
+    assert codings["conditioned"] > codings["dense"], codings
+    assert f"pinned to CPUs {trainer}" in (workdir / "trainer.log").read_text()
+    assert f"pinned to CPUs {rollout}" in (workdir / "rollout.log").read_text()
 
 
 @pytest.mark.slow
