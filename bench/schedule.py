@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="DAEMON=LIST",
-        help="pin the real runs' daemons, as `deltarl up --cpus` (trainer=1 rollout=0: training "
-        "and generation on a core each, as on separate machines); repeatable",
+        help="pin the real runs' daemons, as `deltarl up --cpus` (default: its own placement, "
+        "half the CPUs to the engines and half to the trainer; none: every daemon on every "
+        "core); repeatable",
     )
     ap.add_argument(
         "--convergence",

@@ -454,7 +454,18 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
             if _finite(s.get("length_error_median")) is not None
             else ""
         ),
+        f"  cpus              {_cpus_line(s.get('cpus'))}",
         f"  logs and state    {run.directory}",
         *([f"  curves            {s['curves_png']}"] if s.get("curves_png") else []),
     ]
     print("\n" + "\n".join(lines), file=out)
+
+
+def _cpus_line(cpus: dict[str, str] | None) -> str:
+    """Where the daemons ran: each pinned daemon's CPUs, rollout daemons together."""
+    if not cpus:
+        return "not pinned: every daemon on every core (--cpus none, or one CPU)"
+    by_list: dict[str, list[str]] = {}
+    for daemon, cpu_list in cpus.items():
+        by_list.setdefault(cpu_list, []).append(daemon)
+    return "; ".join(f"{', '.join(names)} on {cpu_list}" for cpu_list, names in by_list.items())

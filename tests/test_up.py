@@ -133,6 +133,9 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert result["lag_rule"] == "oldest_token"
     assert result["delta_coding"] == "rice"
     assert "(rice coding)" in proc.stderr
+    # by default generation and training each run on half the cores
+    assert result["cpus"] == up.auto_cpus(os.sched_getaffinity(0), ["rollout"])
+    assert "  cpus              " in proc.stderr
     assert result["over_bound_token_ratio"] == 0
     assert 0 <= result["token_lag_mean"] <= 1
     assert all(s["over_bound_token_ratio"] == 0 for s in result["step_curve"])

@@ -3,6 +3,7 @@ daemon, each its own instance reading the one store, and ``--engine-arg`` in eve
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -61,6 +62,24 @@ def test_cpus_reach_each_daemon_and_rollout_means_every_rollout(tmp_path: Path) 
     for bad in ["trainer", "nobody=0", "trainer=1-0", "rollout-2=0"]:  # one rollout only
         with pytest.raises(SystemExit):
             up._parse(["--cpus", bad])
+
+
+def test_by_default_generation_and_training_get_half_the_cpus_each(tmp_path: Path) -> None:
+    assert up.auto_cpus({0, 1}, ["rollout"]) == {"trainer": "1", "rollout": "0"}
+    assert up.auto_cpus(range(7), ["rollout", "rollout-2"]) == {
+        "trainer": "4-6",
+        "rollout": "0-3",  # the larger half: generation is most of a step
+        "rollout-2": "0-3",
+    }
+    assert up.auto_cpus({0, 2, 4, 6}, ["rollout"]) == {"trainer": "4,6", "rollout": "0,2"}
+    assert up.auto_cpus({3}, ["rollout"]) == {}  # one CPU: nothing to split
+    daemons = _tables(tmp_path, [])
+    expected = up.auto_cpus(os.sched_getaffinity(0), ["rollout"])
+    assert {n: t["cpus"] for n, t in daemons.items() if "cpus" in t} == expected
+    (tmp_path / "none").mkdir()
+    assert not any("cpus" in t for t in _tables(tmp_path / "none", ["--cpus", "none"]).values())
+    with pytest.raises(SystemExit):
+        up._parse(["--cpus", "none", "--cpus", "trainer=0"])
 
 
 def test_one_rollout_by_default_and_bad_counts_are_refused(tmp_path: Path) -> None:
