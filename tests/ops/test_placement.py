@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from deltarl.config import EX_CONFIG, ConfigError, load, write_toml
 from deltarl.config.reward import RewardConfig
-from deltarl.ops.placement import format_cpu_list, parse_cpu_list
+from deltarl.ops.placement import PINNED_ENV, format_cpu_list, parse_cpu_list
 from tests.ops.helpers import ctl_json
 
 
@@ -119,3 +119,43 @@ print(torch.get_num_threads())
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1"]
+
+
+_OPENMP = """
+import ctypes, os, sys
+from deltarl.ops.placement import {fn}
+print("pid", os.getpid(), flush=True)
+{fn}("{cpu}")
+import torch
+print("threads", torch.get_num_threads(), ctypes.CDLL("libgomp.so.1").omp_get_max_threads())
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
+def test_a_daemon_starts_again_pinned_so_an_openmp_runtime_loaded_with_it_sees_one_cpu() -> None:
+    """vLLM puts torch's libgomp in LD_PRELOAD for the processes it starts, and children
+    inherit it: that runtime sizes its pool when the process starts. ``pin`` alone leaves it
+    with a thread per CPU the process had (two spinning threads on one core: the control);
+    ``pin_at_start`` pins and executes the process again, same pid, so it sees one."""
+    import torch  # noqa: PLC0415 - only for where its libgomp is
+
+    libgomp = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    if not libgomp:
+        pytest.skip("this torch build ships no libgomp (another OpenMP runtime)")
+    cpu = min(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", PINNED_ENV)}
+    env["LD_PRELOAD"] = str(libgomp[0])
+    out = {}
+    for fn in ("pin", "pin_at_start"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _OPENMP.format(fn=fn, cpu=cpu)],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        out[fn] = proc.stdout.split("\n")
+    cpus = len(os.sched_getaffinity(0))
+    assert out["pin"][-2] == f"threads {cpus} {cpus}"
+    pids = [line for line in out["pin_at_start"] if line.startswith("pid")]
+    assert len(pids) == 2  # executed again once
+    assert pids[0] == pids[1]  # the same process
+    assert out["pin_at_start"][-2] == "threads 1 1"
