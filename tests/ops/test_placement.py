@@ -75,7 +75,7 @@ def test_a_daemon_runs_on_its_cpus_every_thread_of_it(tmp_path: Path) -> None:
             assert time.monotonic() < end, "the reward daemon never answered"
             time.sleep(0.2)
         threads = _affinities(proc.pid)
-        assert len(threads) > 1  # the runtime's threads, started before and after pinning
+        assert len(threads) > 1  # the runtime's threads too, not only the main one
         assert set(threads.values()) == {str(cpu)}
         assert ctl_json(config, "reward", "drain")[1]["ok"]
         _, err = proc.communicate(timeout=60)
