@@ -98,7 +98,7 @@ class Run(DaemonGroup):
             raise ValueError(f"rollouts must be at least 1, got {rollouts}")
         # "rollout", then "rollout-2" ...: each its own daemon, vLLM engine and scheduler
         # instance, all reading the one apply agent's weight store.
-        self.rollouts = ["rollout", *(f"rollout-{i}" for i in range(2, rollouts + 1))]
+        self.rollouts = rollout_names(rollouts)
         self.order = [d for d in ORDER if d != "rollout"] + self.rollouts
         # The sockets live in the short shared-memory directory, not the run directory: an
         # ipc:// path must fit sockaddr_un (107 bytes), which a run directory under a long
@@ -395,6 +395,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def rollout_names(count: int) -> list[str]:
+    """The rollout daemons of a run of ``count``: ``rollout``, then ``rollout-2`` ..."""
+    return ["rollout", *(f"rollout-{i}" for i in range(2, count + 1))]
+
+
 def auto_cpus(cpus: Iterable[int], rollouts: list[str]) -> dict[str, str]:
     """The default placement: the rollout daemons on the lower half of ``cpus`` (the larger
     half when their number is odd: generation is most of a step's work), the trainer on the
@@ -412,9 +417,9 @@ def _cpus(ap: argparse.ArgumentParser, items: list[str], rollouts: int) -> dict[
     CPUs; ``none``, nothing pinned; else each ``DAEMON=LIST`` (``rollout``: every rollout
     daemon; a later item for the same daemon wins), and only those."""
     names = [d for d in ORDER if d != "rollout"]
-    rollout_names = ["rollout", *(f"rollout-{i}" for i in range(2, rollouts + 1))]
+    rollouts_named = rollout_names(rollouts)
     if not items:
-        return auto_cpus(os.sched_getaffinity(0), rollout_names)
+        return auto_cpus(os.sched_getaffinity(0), rollouts_named)
     if "none" in items:
         if items != ["none"]:
             ap.error("--cpus none pins nothing: it takes no DAEMON=LIST beside it")
@@ -422,16 +427,16 @@ def _cpus(ap: argparse.ArgumentParser, items: list[str], rollouts: int) -> dict[
     out: dict[str, str] = {}
     for item in items:
         daemon, eq, cpus = item.partition("=")
-        if not eq or daemon not in [*names, *rollout_names]:
+        if not eq or daemon not in [*names, *rollouts_named]:
             ap.error(
                 f"--cpus takes DAEMON=LIST with DAEMON one of "
-                f"{', '.join([*names, *rollout_names])}, got {item!r}"
+                f"{', '.join([*names, *rollouts_named])}, got {item!r}"
             )
         try:
             parse_cpu_list(cpus)
         except ValueError as e:
             ap.error(f"--cpus {item!r}: {e}")
-        for name in rollout_names if daemon == "rollout" else [daemon]:
+        for name in rollouts_named if daemon == "rollout" else [daemon]:
             out[name] = cpus
     return out
 

@@ -75,11 +75,12 @@ def pin_at_start(text: str) -> frozenset[int]:
     Call it before the process starts threads whose work should survive: the exec ends them.
     """
     wanted = parse_cpu_list(text)
-    if os.environ.get(PINNED_ENV) != format_cpu_list(wanted):
+    mark = format_cpu_list(wanted)
+    if os.environ.get(PINNED_ENV) != mark:
         _check_allowed(text, wanted)
         os.sched_setaffinity(0, wanted)
         os.environ.setdefault("OMP_NUM_THREADS", str(len(wanted)))
-        os.environ[PINNED_ENV] = format_cpu_list(wanted)
+        os.environ[PINNED_ENV] = mark
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])  # noqa: S606 - ourselves

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import TracebackType
 
@@ -16,7 +13,7 @@ import pytest
 from deltarl.config import ConfigError, load, write_toml
 from deltarl.config.reward import RewardConfig
 from deltarl.ops.logs import JsonFormatter
-from tests.ops.helpers import ctl_json
+from tests.ops.helpers import ctl_json, running_daemon
 
 
 def _failed() -> tuple[type[BaseException], BaseException, TracebackType | None]:
@@ -66,24 +63,10 @@ def test_a_daemon_logs_json_and_audits_operator_commands(tmp_path: Path) -> None
     }
     write_toml(config, {"daemons": {"reward": table}})
     env = {k: v for k, v in os.environ.items() if k != "DELTARL_LOG_FORMAT"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deltarl.cli", "reward", "--config", str(config)],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        end = time.monotonic() + 60
-        while not _ctl(config, "reward", "status").get("ok"):
-            assert time.monotonic() < end, "the reward daemon never answered"
-            time.sleep(0.2)
+    with running_daemon(config, "reward", env) as proc:
         assert not _ctl(config, "reward", "pause")["ok"]  # the reward daemon has no pause
         assert _ctl(config, "reward", "drain")["ok"]
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err
     lines = [orjson.loads(line) for line in err.splitlines() if line.strip()]
     assert lines

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 from deltarl.config import EX_CONFIG, ConfigError, load, write_toml
 from deltarl.config.reward import RewardConfig
 from deltarl.ops.placement import PINNED_ENV, format_cpu_list, parse_cpu_list
-from tests.ops.helpers import ctl_json
+from tests.ops.helpers import ctl_json, running_daemon, start_daemon
 
 
 @given(st.frozensets(st.integers(0, 300), min_size=1))
@@ -52,37 +51,23 @@ def _affinities(pid: int) -> dict[int, str]:
     return out
 
 
-def _reward(config: Path, cpus: str) -> subprocess.Popen[str]:
+def _reward(config: Path, cpus: str) -> Path:
     write_toml(
         config,
         {"daemons": {"reward": {"control": f"ipc://{config.parent}/r.sock", "cpus": cpus}}},
     )
-    return subprocess.Popen(
-        [sys.executable, "-m", "deltarl.cli", "reward", "--config", str(config)],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return config
 
 
 def test_a_daemon_runs_on_its_cpus_every_thread_of_it(tmp_path: Path) -> None:
     config = tmp_path / "deltarl.toml"
     cpu = max(os.sched_getaffinity(0))  # one CPU this test may use: the daemon gets only it
-    proc = _reward(config, str(cpu))
-    try:
-        end = time.monotonic() + 60
-        while not ctl_json(config, "reward", "status")[1].get("ok"):
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < end, "the reward daemon never answered"
-            time.sleep(0.2)
+    with running_daemon(_reward(config, str(cpu)), "reward") as proc:
         threads = _affinities(proc.pid)
         assert len(threads) > 1  # the runtime's threads too, not only the main one
         assert set(threads.values()) == {str(cpu)}
         assert ctl_json(config, "reward", "drain")[1]["ok"]
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err
     assert f"pinned to CPUs {cpu}" in err
 
@@ -90,7 +75,7 @@ def test_a_daemon_runs_on_its_cpus_every_thread_of_it(tmp_path: Path) -> None:
 def test_a_cpu_the_daemon_may_not_use_stops_it_at_start(tmp_path: Path) -> None:
     allowed = os.sched_getaffinity(0)
     outside = max(allowed) + 1  # not this process's: the host lacks it or the cgroup hides it
-    proc = _reward(tmp_path / "deltarl.toml", f"{min(allowed)},{outside}")
+    proc = start_daemon(_reward(tmp_path / "deltarl.toml", f"{min(allowed)},{outside}"), "reward")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == EX_CONFIG
     assert f"CPU {outside} is not one this process may use" in err
