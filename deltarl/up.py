@@ -179,7 +179,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "lr": args.lr,
             "seed": args.seed,
             "ranks": args.trainer_ranks,
-            **run.profile.trainer_table(args.trainer_ranks),
+            **run.profile.trainer_table(args.trainer_ranks, args.cpus.get("trainer")),
         },
         "export": {
             "control": run.endpoint("export"),

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltarl.ops.placement import parse_cpu_list
+
 # The tiny model learning the default task: 1e-2 learned fastest among 5e-3, 1e-2, 2e-2 at a
 # lag bound of 1 (20 steps each, `deltarl up --lr X`); 2e-2 moved the policy so far per step
 # that a third of the tokens were clipped.
@@ -69,10 +71,11 @@ class Profile:
 
         return {} if torch.cuda.is_available() else dict(self.rollout_engine)
 
-    def trainer_table(self, ranks: int = 1) -> dict[str, Any]:
+    def trainer_table(self, ranks: int = 1, cpus: str | None = None) -> dict[str, Any]:
         """Further ``[daemons.trainer]`` keys here. Without a GPU the trainer and the rollout
-        engine share the CPU: the trainer takes half the cores (torch would take them all),
-        so that neither process's OpenMP threads wait at barriers for a thread the other
+        engine share the CPU: the trainer takes its own CPUs (``cpus``, where ``deltarl up``
+        pinned it), else half of those this process may use (torch would take them all), so
+        that neither process's OpenMP threads wait at barriers for a thread the other
         process has descheduled. Measured on 2 cores, a SmolLM2 step of 64 samples: 43 s
         with 2 threads alone, 80 s with 1 thread alone, 180-190 s with 2 threads beside the
         generating engine."""
@@ -80,8 +83,12 @@ class Profile:
 
         table = dict(self.trainer)
         if not torch.cuda.is_available() and self.rollout_engine:
-            # Half the cores for the trainer, shared among its ranks.
-            table.setdefault("threads", max(1, (os.cpu_count() or 2) // 2 // ranks))
+            # Counted from the CPUs the trainer may run on, not the host's: under a cgroup or
+            # a pinning that allows fewer, more threads than CPUs would wait at barriers.
+            share = (
+                len(parse_cpu_list(cpus)) if cpus is not None else len(os.sched_getaffinity(0)) // 2
+            )
+            table.setdefault("threads", max(1, share // ranks))  # shared among its ranks
         return table
 
     def model_dir(self, root: Path) -> Path:

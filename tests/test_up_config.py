@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deltarl import up
+from deltarl.ops.placement import parse_cpu_list
 
 
 def _tables(tmp_path: Path, argv: list[str]) -> dict:
@@ -37,6 +38,24 @@ def test_trainer_ranks_share_the_trainer_threads(tmp_path: Path) -> None:
     daemons = _tables(tmp_path, ["--trainer-ranks", "2", "--model", "smollm2-135m"])
     assert daemons["trainer"]["ranks"] == 2
     assert daemons["trainer"]["threads"] >= 1
+
+
+def test_the_trainers_threads_are_counted_from_its_cpus(tmp_path: Path) -> None:
+    """Not from the host's CPU count: a trainer pinned to 3 CPUs runs 3 threads, split among
+    its ranks; unpinned, half of the CPUs this process may use. (The SmolLM2 profile: the
+    tiny model's trainer keeps torch's own count, which pinning sets.)"""
+    smollm2 = ["--model", "smollm2-135m"]
+    for sub, argv, threads in [
+        ("three", ["--cpus", "trainer=0-2"], 3),
+        ("ranks", ["--cpus", "trainer=0-2", "--trainer-ranks", "2"], 1),
+        ("one", ["--cpus", "trainer=0"], 1),
+        ("none", ["--cpus", "none"], max(1, len(os.sched_getaffinity(0)) // 2)),
+    ]:
+        (tmp_path / sub).mkdir()
+        assert _tables(tmp_path / sub, [*smollm2, *argv])["trainer"]["threads"] == threads, sub
+    (tmp_path / "auto").mkdir()
+    trainer = _tables(tmp_path / "auto", smollm2)["trainer"]
+    assert trainer["threads"] == len(parse_cpu_list(trainer["cpus"]))
 
 
 def test_the_dispatch_window_reaches_the_scheduler(tmp_path: Path) -> None:
