@@ -163,12 +163,14 @@ class GetHistory(Command):
 @dataclass(frozen=True)
 class Work(Reply):
     """Groups to generate. Each: ``group_id``, ``prompt_id``, ``prompt`` (text), ``n``
-    (samples), ``sampling`` (temperature, top_p, max_tokens, seed), and ``eval``: true for a
-    held-out evaluation group (``deltarl.scheduler.evaluation``: one sample, decoded greedily,
-    submitted like any group and never trained on; its ``prompt_id`` is the index in the eval
-    split, its id ``e<step>.<index>.<attempt>``). Empty ``groups`` with
-    ``wait_s``: nothing now (pool full, throttled, or dataset exhausted: ``reason`` says).
-    ``sync_to``: generate nothing until the engine holds this weight version or newer."""
+    (samples), ``sampling`` (temperature, top_p, max_tokens, seed, and optionally ``lengths``:
+    n ints in [1, max_tokens], the exact completion length of each sample, for a task that
+    fixes them, ``deltarl.rl.task.ShapedLengths``), and ``eval``: true for a held-out
+    evaluation group (``deltarl.scheduler.evaluation``: one sample, decoded greedily, submitted
+    like any group and never trained on; its ``prompt_id`` is the index in the eval split, its
+    id ``e<step>.<index>.<attempt>``). Empty ``groups`` with ``wait_s``: nothing now (pool
+    full, throttled, or dataset exhausted: ``reason`` says). ``sync_to``: generate nothing
+    until the engine holds this weight version or newer."""
 
     TAG: ClassVar[str] = "rl.work"
     groups: list[Any]

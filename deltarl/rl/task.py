@@ -55,6 +55,20 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class ShapedLengths(Protocol):
+    """A task that fixes each sample's completion length instead of leaving it to the model
+    (``deltarl.rl.long_tail``: a long-tailed length workload on real engines). The scheduler
+    sends a group's lengths as ``sampling["lengths"]``; the rollout engine then generates
+    exactly that many tokens per sample (EOS ignored)."""
+
+    def output_lengths(self, prompt_id: int, draw: int, n: int) -> list[int]:
+        """The completion length of each of the ``n`` samples of one draw of ``prompt_id``
+        (the group's sampling seed), each in [1, the task's max_tokens]; the same in every
+        process."""
+        ...
+
+
 @dataclass(frozen=True)
 class RepeatLetter:
     """The embedded default task (see the module docstring)."""
@@ -95,8 +109,9 @@ class RepeatLetter:
 def tasks() -> dict[str, Callable[..., Task]]:
     """Every task by name (``task = "..."`` in the scheduler's table)."""
     from deltarl.rl.arithmetic import Arithmetic  # noqa: PLC0415 - it imports mix64 from here
+    from deltarl.rl.long_tail import LongTail  # noqa: PLC0415 - the same
 
-    return {"default": RepeatLetter, "arithmetic": Arithmetic}
+    return {"default": RepeatLetter, "arithmetic": Arithmetic, "long_tail": LongTail}
 
 
 def make_task(name: str, *, seed: int = 0, size: int = 0) -> Task:

@@ -198,6 +198,29 @@ def cpu_engine_args(max_model_len: int) -> dict[str, Any]:
     }
 
 
+def _forced_lengths(group_id: str, lengths: object, n: int, max_tokens: int) -> list[int] | None:
+    """``sampling["lengths"]`` checked: None when absent, else exactly ``n`` ints in [1,
+    ``max_tokens``]. Checked whole before a request is added, so a bad group queues nothing."""
+    if lengths is None:
+        return None
+    if not isinstance(lengths, list | tuple) or len(lengths) != n:
+        got = f"{len(lengths)} values" if isinstance(lengths, list | tuple) else repr(lengths)
+        raise ValueError(f"group {group_id!r}: lengths must be a list of n={n} ints, got {got}")
+    for i, length in enumerate(lengths):
+        # bool is an int to Python, but True as a length is a caller's mistake. ValueError,
+        # not TypeError: every bad sampling field of a group is refused alike.
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise ValueError(  # noqa: TRY004
+                f"group {group_id!r}: lengths[{i}] must be an int, got {length!r}"
+            )
+        if not 1 <= length <= max_tokens:
+            raise ValueError(
+                f"group {group_id!r}: lengths[{i}] = {length} is outside [1, max_tokens = "
+                f"{max_tokens}]"
+            )
+    return list(lengths)
+
+
 @dataclass
 class FinishedGroup:
     """The ``n`` completions of one prompt: dicts of the fields of ``deltarl.rl.samples.Sample``
@@ -399,7 +422,12 @@ class VllmEngine:
         """Queue ``n`` samples of ``prompt``; they come back together from ``step``.
 
         ``sampling``: ``temperature``, ``top_p``, ``max_tokens``, ``seed`` (sample i draws with
-        seed + i, so a group is reproducible and its samples differ).
+        seed + i, so a group is reproducible and its samples differ), and optionally
+        ``lengths``: n ints in [1, max_tokens], sample i then generating exactly ``lengths[i]``
+        tokens (EOS is sampled as any token, not a stop; fewer only if ``max_model_len`` cuts
+        the sample), for a task that fixes its completion lengths
+        (``deltarl.rl.task.ShapedLengths``). A bad ``lengths`` is refused with ValueError
+        before any sample is queued.
         """
         from vllm import SamplingParams  # noqa: PLC0415
         from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
@@ -409,19 +437,27 @@ class VllmEngine:
             raise ValueError(f"group {group_id!r} is already running")
         if n < 1:
             raise ValueError(f"group {group_id!r}: n must be at least 1, got {n}")
-        unknown = set(sampling) - {"temperature", "top_p", "max_tokens", "seed"}
+        unknown = set(sampling) - {"temperature", "top_p", "max_tokens", "seed", "lengths"}
         if unknown:
             raise ValueError(f"group {group_id!r}: unknown sampling fields {sorted(unknown)}")
         seed = sampling.get("seed")
+        max_tokens = int(sampling.get("max_tokens", 64))
+        lengths = _forced_lengths(group_id, sampling.get("lengths"), n, max_tokens)
         # Tokenised once per group; the salt travels inside the rendered prompt.
         (rendered,) = engine.renderer.render_cmpl([self._prompt(engine, prompt)])
         self._groups[group_id] = _Group(n)
         for i in range(n):
+            # A forced length L: max_tokens ends the sample at L, and ignore_eos keeps the
+            # model's EOS (and the generation config's other end tokens) from ending it
+            # sooner: they are sampled as ordinary tokens. Not min_tokens: it masks those
+            # tokens out of the logits, so the reported log-probabilities would be of a
+            # renormalised distribution, not the model's one the trainer recomputes.
             params = SamplingParams(
                 n=1,
                 temperature=float(sampling.get("temperature", 1.0)),
                 top_p=float(sampling.get("top_p", 1.0)),
-                max_tokens=int(sampling.get("max_tokens", 64)),
+                max_tokens=max_tokens if lengths is None else lengths[i],
+                ignore_eos=lengths is not None,
                 seed=None if seed is None else int(seed) + i,
                 logprobs=0,  # the sampled token's own log-probability, no alternatives
                 # Only the tokens new since the last step: each step's tokens get that

@@ -111,7 +111,9 @@ def commit(store: WeightStore, weights: dict[str, torch.Tensor], version: int | 
     return version
 
 
-def run(engine: VllmEngine, prompt: str, n: int = 1, **sampling: float) -> FinishedGroup:
+def run(
+    engine: VllmEngine, prompt: str, n: int = 1, **sampling: float | list[int]
+) -> FinishedGroup:
     gid = f"g{next(_ids)}"
     params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, "seed": 11, **sampling}
     engine.add_group(gid, prompt, n, params)
@@ -543,6 +545,77 @@ def test_queued_requests_counts_requests_that_have_no_token_yet(engine: VllmEngi
     while engine.has_work():
         engine.step()
     assert (engine.queued_requests(), engine.running_groups) == (0, 0)
+
+
+def test_forced_lengths_give_each_sample_exactly_its_tokens(
+    engine: VllmEngine, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    group = run(engine, PROMPT, n=3, max_tokens=16, lengths=[2, 7, 13])
+    assert [len(s["token_ids"]) for s in group.samples] == [2, 7, 13]
+    for s in group.samples:
+        assert len(s["logprobs"]) == len(s["token_versions"]) == len(s["token_ids"])
+        assert s["finish_reason"] == "length"
+    # Forcing the length leaves the draw alone: sample i is still seeded seed + i, and its
+    # tokens and log-probabilities are the model's own (nothing masked), so a free draw of
+    # the same group begins with the same tokens at the same log-probabilities.
+    free = run(engine, PROMPT, n=3, max_tokens=16)
+    for forced, drawn in zip(group.samples, free.samples, strict=True):
+        k = len(forced["token_ids"])
+        assert forced["token_ids"] == drawn["token_ids"][:k]
+        assert forced["logprobs"] == drawn["logprobs"][:k]
+
+
+def test_a_forced_length_runs_past_the_models_eos(
+    engine: VllmEngine, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    # Find a group in which the model, left alone, ends some samples with EOS (whatever
+    # weights earlier tests loaded, a few of 64 samples of 32 tokens do).
+    for seed in (100, 200, 300):
+        free = run(engine, PROMPT, n=64, max_tokens=32, seed=seed)
+        stopped = [i for i, s in enumerate(free.samples) if s["finish_reason"] == "stop"]
+        if stopped:
+            break
+    else:
+        pytest.fail("no sample ended with EOS: nothing to force past")
+    forced = run(engine, PROMPT, n=64, max_tokens=32, seed=seed, lengths=[32] * 64)
+    assert [len(s["token_ids"]) for s in forced.samples] == [32] * 64
+    for f, s in zip(forced.samples, free.samples, strict=True):
+        k = len(s["token_ids"])
+        assert f["token_ids"][:k] == s["token_ids"]  # the same draw, EOS not masked out
+        assert torch.allclose(torch.tensor(f["logprobs"][:k]), torch.tensor(s["logprobs"]))
+    for i in stopped:
+        eos_at = len(free.samples[i]["token_ids"]) - 1
+        # The EOS is sampled as any other token, and the sample goes on after it.
+        assert forced.samples[i]["token_ids"][eos_at] == tokenizer.eos_token_id
+        assert eos_at < 31
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        ([2, 7], "lengths must be a list of n=3 ints, got 2 values"),
+        ([2, 7, 13, 1], "got 4 values"),
+        ([2, 0, 13], r"lengths\[1\] = 0 is outside \[1, max_tokens = 16\]"),
+        ([2, 7, 17], r"lengths\[2\] = 17 is outside"),
+        ([2, 7.0, 13], r"lengths\[1\] must be an int"),
+        ([True, 7, 13], r"lengths\[0\] must be an int"),
+        (5, "lengths must be a list"),
+    ],
+)
+def test_bad_forced_lengths_are_refused_before_anything_is_queued(
+    engine: VllmEngine, lengths: object, message: str
+) -> None:
+    sampling = {"max_tokens": 16, "seed": 1, "lengths": lengths}
+    with pytest.raises(ValueError, match=message):
+        engine.add_group("bad-lengths", PROMPT, 3, sampling)
+    assert not engine.has_work()
+    assert engine.running_groups == 0
+    # The id was not taken: the same group with good lengths is accepted.
+    engine.add_group("bad-lengths", PROMPT, 3, {**sampling, "lengths": [1, 1, 1]})
+    done: list[FinishedGroup] = []
+    while engine.has_work():
+        done += engine.step()
+    assert [[len(s["token_ids"]) for s in g.samples] for g in done] == [[1, 1, 1]]
 
 
 def test_progress_reports_the_oldest_version_and_an_aborted_group_stops(
