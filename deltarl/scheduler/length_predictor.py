@@ -95,7 +95,13 @@ class Prediction:
 
 
 class LengthPredictor:
-    """Predicts completion tokens per sample for one task's prompts (module docstring)."""
+    """Predicts completion tokens per sample for one task's prompts (module docstring).
+
+    It learns incrementally: ``add`` folds in one more group, so a scheduler without a plan
+    predicts from its own run's history as groups pool (``deltarl.scheduler.service``), and
+    ``deltarl plan`` builds one from every recorded group. Each source keeps sums, not rows:
+    a mean per prompt key and per length class, and the ridge's normal equations.
+    """
 
     def __init__(
         self,
@@ -107,34 +113,76 @@ class LengthPredictor:
     ) -> None:
         if default_tokens <= 0:
             raise ValueError(f"default_tokens must be positive, got {default_tokens}")
-        mine = [r for r in records if r.task == task and r.outputs]
+        self.task = task
         self.default_tokens = float(default_tokens)
         self.min_count = min_count
-        by_key: dict[int, list[float]] = defaultdict(list)
-        by_class: dict[int, list[float]] = defaultdict(list)
-        for r in mine:
-            by_key[r.key].append(r.mean)
-            by_class[length_class(len(r.text))].append(r.mean)
-        self.by_key = {k: statistics.fmean(v) for k, v in by_key.items()}
-        self.by_class = {c: statistics.fmean(v) for c, v in by_class.items() if len(v) >= min_count}
-        self.weights: np.ndarray | None = None
-        if len(mine) >= MIN_FIT_ROWS:
-            x = np.stack([features(r.text) for r in mine])
-            y = np.log(np.maximum([r.mean for r in mine], 1.0))
-            a = x.T @ x + RIDGE * np.eye(x.shape[1])
+        self._by_key: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])  # [sum, count]
+        self._by_class: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
+        width = features("").shape[0]
+        self._xtx = np.zeros((width, width))
+        self._xty = np.zeros(width)
+        self._weights: np.ndarray | None = None
+        self._stale = False  # the weights lag the normal equations
+        self.records = 0
+        for r in records:
+            self.add(r)
+
+    def add(self, record: Record) -> bool:
+        """Learn one more group; False (and nothing learned) for another task's or an empty
+        one."""
+        if record.task != self.task or not record.outputs:
+            return False
+        mean = record.mean
+        for table, k in (
+            (self._by_key, record.key),
+            (self._by_class, length_class(len(record.text))),
+        ):
+            table[k][0] += mean
+            table[k][1] += 1
+        x = features(record.text)
+        self._xtx += np.outer(x, x)
+        self._xty += x * math.log(max(mean, 1.0))
+        self.records += 1
+        self._stale = True
+        return True
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the learned source answers: then every prompt gets a prediction of its own."""
+        return self.records >= MIN_FIT_ROWS
+
+    @property
+    def weights(self) -> np.ndarray | None:
+        """The ridge's weights over ``features`` (None below ``MIN_FIT_ROWS`` groups)."""
+        if not self.fitted:
+            return None
+        if self._stale or self._weights is None:
+            a = self._xtx + RIDGE * np.eye(self._xtx.shape[0])
             a[0, 0] -= RIDGE  # the bias is not shrunk
-            self.weights = np.linalg.solve(a, x.T @ y)
-        self.records = len(mine)
+            self._weights = np.linalg.solve(a, self._xty)
+            self._stale = False
+        return self._weights
+
+    @property
+    def by_key(self) -> dict[int, float]:
+        """Mean completion tokens per sample of each prompt on record."""
+        return {k: s / n for k, (s, n) in self._by_key.items()}
+
+    @property
+    def by_class(self) -> dict[int, float]:
+        """Mean per length class, for the classes with at least ``min_count`` groups."""
+        return {c: s / n for c, (s, n) in self._by_class.items() if n >= self.min_count}
 
     def predict(self, text: str) -> Prediction:
-        found = self.by_key.get(prompt_key(text))
+        found = self._by_key.get(prompt_key(text))
         if found is not None:
-            return Prediction(max(found, 1.0), "history")
-        found = self.by_class.get(length_class(len(text)))
-        if found is not None:
-            return Prediction(max(found, 1.0), "prompt_stats")
-        if self.weights is not None:
-            return Prediction(max(math.exp(float(features(text) @ self.weights)), 1.0), "learned")
+            return Prediction(max(found[0] / found[1], 1.0), "history")
+        found = self._by_class.get(length_class(len(text)))
+        if found is not None and found[1] >= self.min_count:
+            return Prediction(max(found[0] / found[1], 1.0), "prompt_stats")
+        weights = self.weights
+        if weights is not None:
+            return Prediction(max(math.exp(float(features(text) @ weights)), 1.0), "learned")
         return Prediction(self.default_tokens, "default")
 
 

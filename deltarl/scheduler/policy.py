@@ -18,14 +18,16 @@ Policies, chosen by name (``policy = "..."`` in the scheduler's table, ``make_po
   predicted tokens of the groups it holds over its measured throughput; the candidates (a
   look-ahead window of the dataset, in plan order when a plan is loaded) go longest predicted
   first, as many as may be issued now, each to the instance whose wait is least (LPT), and
-  the asking instance gets the ones that fall to it. Without predictions every group counts
-  one, so the split follows measured throughput alone. Long and short prompts mix on every
-  instance, and a slower instance gets less. All samples of a prompt are one group, issued
-  to one instance in one request, so they share its prefix cache within a weight version by
-  construction. A requeued prompt goes back to the instance that prefilled it (its home,
-  ``prefix_home``) while that instance holds the same weight version and its predicted wait
-  exceeds the least by no more than ``AFFINITY_SLACK`` times the prompt's own predicted time
-  there: prefix affinity, unless the wait is too long.
+  the asking instance gets the ones that fall to it. The predictions are a plan's, or
+  without one the run's own history's (``run_lengths``). Without predictions (a run's first
+  groups) every group counts one, so the split follows measured throughput alone. Long and
+  short prompts mix on every instance, and a slower instance gets less. All samples of a
+  prompt are one group, issued to one instance in one request, so they share its prefix
+  cache within a weight version by construction. A requeued prompt goes back to the
+  instance that prefilled it (its home, ``prefix_home``) while that instance holds the same
+  weight version and its predicted wait exceeds the least by no more than
+  ``AFFINITY_SLACK`` times the prompt's own predicted time there: prefix affinity, unless
+  the wait is too long.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ from deltarl.scheduler.reward import RewardFailedError, RewardUnavailableError
 from deltarl.scheduler.reward_scorers import make_reward_scorer
 from deltarl.scheduler.reward_stats import RewardWindow
 from deltarl.scheduler.rows import Group, PromptState, parse_group_id
+from deltarl.scheduler.run_lengths import RunLengths, forced_lengths
 from deltarl.scheduler.step_metrics import SchedulerMetrics
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.scheduler.stragglers import StragglerJudge
@@ -155,6 +156,10 @@ class SchedulerService(DaemonCore):
         self.plan = self._load_plan(config, store)
         self.task: Task = base if self.plan is None else PlannedTask(base, self.plan.plan)
         self.dataset_size = config.dataset_size or (self.plan.plan.size if self.plan else 0)
+        # Without a plan the dispatch predicts from this run's own lengths (run_lengths.py).
+        self.run_lengths = (
+            RunLengths(store, self.task, config.group_size) if self.plan is None else None
+        )
         self.policy = policy or make_policy(config.policy, config.lookahead)
         self.stragglers = StragglerJudge(
             config.straggler_ratio, config.straggler_window_s, config.straggler_cooldown_s
@@ -218,7 +223,11 @@ class SchedulerService(DaemonCore):
         return view
 
     def predicted_tokens(self, prompt_id: int) -> float | None:
-        """A group's predicted completion tokens (all samples), or None without a plan."""
+        """A group's predicted completion tokens (all samples): the plan's, or without one the
+        run's own history's once it predicts every prompt; else None (the dispatch counts
+        groups)."""
+        if self.run_lengths is not None:
+            return self.run_lengths.predicted_tokens(prompt_id)
         if self.plan is None or not self.plan.covers(prompt_id):
             return None
         return self.plan.predicted(prompt_id) * self.config.group_size
@@ -533,21 +542,29 @@ class SchedulerService(DaemonCore):
             lease_s=cfg.lease_s,
             dataset_size=self.dataset_size,
         )
+        if self.run_lengths is not None:
+            self.run_lengths.dispatched(groups, predicted)
         return Work([self._work_item(g) for g in groups])
 
     def _work_item(self, g: Group) -> dict[str, Any]:
         s = self.config.sampling_params
+        seed = mix64(self.config.seed, g.prompt_id, g.attempt) >> 33
+        n = self.config.group_size
+        sampling: dict[str, Any] = {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_tokens": s.max_tokens,
+            "seed": seed,
+        }
+        lengths = forced_lengths(self.task, g.prompt_id, seed, n, s.max_tokens)
+        if lengths is not None:
+            sampling["lengths"] = lengths
         return {
             "group_id": g.group_id,
             "prompt_id": g.prompt_id,
             "prompt": self.task.prompt(g.prompt_id),
-            "n": self.config.group_size,
-            "sampling": {
-                "temperature": s.temperature,
-                "top_p": s.top_p,
-                "max_tokens": s.max_tokens,
-                "seed": mix64(self.config.seed, g.prompt_id, g.attempt) >> 33,
-            },
+            "n": n,
+            "sampling": sampling,
         }
 
     async def submit_group(self, cmd: SubmitGroup) -> Reply:
@@ -703,6 +720,8 @@ class SchedulerService(DaemonCore):
             # pooled instead, so these samples are counted as dropped, not pooled twice.
             stale = f"group {group.group_id} was requeued while it was scored; not accepted"
             return self._refuse_stale(group, group.attempt, n, stale)
+        if self.run_lengths is not None and lengths.outputs:
+            self.run_lengths.learn(prompt, lengths.outputs)  # as the store now holds it
         self._pooled_at.append((self.monotonic(), n))
         return Ok("pooled")
 
@@ -719,6 +738,9 @@ class SchedulerService(DaemonCore):
             outputs=outputs,
             instance=group.instance,
         )
+        if self.run_lengths is not None:  # no plan: what the run's own history predicted
+            predicted = self.run_lengths.take_dispatched(group.group_id)
+            return note if predicted is None else dataclasses.replace(note, predicted=predicted)
         view = self.plan
         if view is None or not view.covers(group.prompt_id) or not outputs:
             return note

@@ -215,7 +215,8 @@ def test_finished_groups_correct_the_predictions_and_their_error_is_recorded(tmp
 
 
 def test_the_history_records_every_groups_lengths_with_or_without_a_plan(tmp_path):
-    """Without a plan nothing is predicted, but the lengths are kept for a later plan, and the
+    """Without a plan nothing is predicted before the run's history can (run_lengths.py), but
+    the lengths are kept for a later plan, and the
     step's sorting wait is its groups' pool wait over their generation time: 5 s / 10 s."""
 
     async def go():
