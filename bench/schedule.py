@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from deltarl.bench.schedule_real import REAL_TASKS, run_real
 
 from deltarl.atomic_file import write_atomic
 from deltarl.sim.schedule_model import (
@@ -237,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-rollouts", type=int, default=2, help="engines of each real run")
     ap.add_argument("--real-dir", type=Path, help="where the real runs go (default: a new dir)")
     ap.add_argument(
+        "--real-task",
+        choices=sorted(REAL_TASKS),
+        default="long_tail",
+        help="the real runs' task: long_tail (completion lengths forced to a long-tailed "
+        "distribution, what length-aware dispatch is for) or default (the tiny model's own "
+        "task: every completion runs to max_tokens)",
+    )
+    ap.add_argument(
         "--real-cpus",
         action="append",
         default=[],
@@ -333,8 +342,6 @@ def main(argv: list[str] | None = None) -> int:
         args.lookahead,
     )
     if args.real:
-        from deltarl.bench.schedule_real import run_real  # noqa: PLC0415 - only when used
-
         root = args.real_dir or Path(tempfile.mkdtemp(prefix="deltarl-bench-schedule-"))
         print(f"deltarl bench schedule: real runs in {root}", file=sys.stderr, flush=True)
         try:
@@ -346,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 lag=args.lag,
                 lag_rule=args.lag_rule,
                 cpus=args.real_cpus,
+                task=args.real_task,
             )
         except RuntimeError as e:
             print(f"deltarl bench schedule: {e}", file=sys.stderr)

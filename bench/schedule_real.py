@@ -31,10 +31,18 @@ from typing import Any
 
 import orjson
 
+from deltarl.rl.long_tail import LongTail
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.sim.schedule_model import POLICIES, CostModel, PromptGroup, Workload, run_policy
 
 GROUPS_PER_STEP = 8  # the tiny profile's (deltarl/up_models.py)
+REAL_TASKS: dict[str, tuple[str, ...]] = {
+    # Completion lengths forced per sample to a long-tailed distribution (deltarl.rl.long_tail),
+    # up to the task's cap: the workload length-aware dispatch is for.
+    "long_tail": ("--task", "long_tail", "--max-tokens", str(LongTail().max_tokens)),
+    # The tiny model's own task: its completions nearly all run to max_tokens.
+    "default": (),
+}
 
 
 def up_summary(label: str, *args: str) -> dict[str, Any]:
@@ -77,6 +85,7 @@ def run_real(
     lag: int,
     lag_rule: str = "oldest_token",
     cpus: Sequence[str] = (),
+    task: str = "long_tail",
 ) -> dict[str, Any]:
     """``R`` of the bench's JSON: the policies on the real daemons, with the model's error.
     ``cpus``: ``deltarl up --cpus`` items (``trainer=1``), the same for every run."""
@@ -89,7 +98,7 @@ def run_real(
             f"--policy {policy}",
             "--model", "tiny", "--steps", str(steps), "--rollouts", str(rollouts),
             "--policy", policy, "--max-policy-lag", str(lag), "--workdir", str(workdir),
-            "--lag-rule", lag_rule, *pinning,
+            "--lag-rule", lag_rule, *pinning, *REAL_TASKS[task],
         )  # fmt: skip
         real, trace = _store(workdir)
         times = summary.get("step_time") or {}
@@ -116,7 +125,7 @@ def run_real(
         }
     ours = policies["deltarl"]["throughput_tok_s"]
     return {
-        "workload": f"deltarl up --model tiny ({steps} steps each)",
+        "workload": f"deltarl up --model tiny {' '.join(REAL_TASKS[task])} ({steps} steps each)",
         "instances": rollouts,
         "policies": policies,
         "speedup_vs_sync": ours / policies["sync"]["throughput_tok_s"],
@@ -128,4 +137,5 @@ def run_real(
         "model_throughput_tok_s": predicted,
         "runs": str(root),
         "cpus": list(cpus),
+        "task": task,
     }
