@@ -240,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--real-task",
         choices=sorted(REAL_TASKS),
-        default="long_tail",
+        default=None,
         help="the real runs' task: long_tail (completion lengths forced to a long-tailed "
         "distribution, what length-aware dispatch is for) or default (the tiny model's own "
-        "task: every completion runs to max_tokens)",
+        "task: every completion runs to max_tokens); default long_tail",
     )
     ap.add_argument(
         "--real-cpus",
@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--lookahead must not be negative")
     if args.real_cpus and not args.real:
         ap.error("--real-cpus pins the real runs' daemons: it needs --real")
+    if args.real_task is not None and not args.real:
+        ap.error("--real-task is the real runs' task: it needs --real")
+    args.real_task = args.real_task or "long_tail"
     if args.convergence:
         return _convergence(args)
     calibration = None

@@ -28,6 +28,10 @@ import pytest
 
 from deltarl import up
 from deltarl.refit.manifest_store import ManifestStore
+from deltarl.rl.long_tail import LongTail
+from deltarl.rl.task import mix64
+from deltarl.scheduler.run_lengths import forced_lengths
+from deltarl.scheduler.store import SchedulerStore
 from tests.installed import require_vllm
 
 require_vllm()
@@ -273,20 +277,35 @@ def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
     assert "rollout-2" in proc.stderr  # the summary's line per engine
 
 
-def test_conditioned_deltas_and_pinned_daemons(home: Path, tmp_path: Path) -> None:
-    """One run for two things ``deltarl up`` passes to its daemons.
+def test_conditioned_deltas_pinned_daemons_and_forced_lengths(home: Path, tmp_path: Path) -> None:
+    """One run for three things ``deltarl up`` passes to its daemons.
 
     ``--delta-coding conditioned`` at a learning rate low enough for sparse deltas (at the tiny
     profile's own rate nearly every element moves and every tensor goes dense, so the coding
     is never chosen): conditioned records carry most tensors, and every engine load is
-    bit-exact. ``--cpus``: the trainer and the rollout daemon ran on the CPUs given."""
+    bit-exact. ``--cpus``: the trainer and the rollout daemon ran on the CPUs given.
+    ``--task long_tail``: every pooled sample is exactly as long as the task forced it (from
+    the scheduler through the engine to the store), and the lengths vary."""
     workdir = tmp_path / "run"
     trainer, rollout = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
     proc = up_json(
         home, "--steps", "3", "--delta-coding", "conditioned", "--lr", "1e-5",
         "--workdir", str(workdir), "--cpus", f"trainer={trainer}", "--cpus", f"rollout={rollout}",
+        "--task", "long_tail", "--max-tokens", "64",
     )  # fmt: skip
     result = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["task"] == "long_tail"
+    task = LongTail()
+    with SchedulerStore(workdir / "scheduler.sqlite", readonly=True) as store:
+        records = store.length_records()
+    assert len(records) >= 24  # three steps of eight groups
+    for _, _, text, _, outputs in records:
+        pid = int(text.removeprefix("#").split(" ", 1)[0])
+        forced = [  # each attempt of a prompt is its own draw (its sampling seed)
+            forced_lengths(task, pid, mix64(0, pid, attempt) >> 33, 8, 64) for attempt in range(3)
+        ]
+        assert list(outputs) in forced, (text, outputs)
+    assert len({o for *_, outputs in records for o in outputs}) > 10
     assert result["delta_coding"] == "conditioned"
     assert result["refit_bit_exact"] is True
     assert len(result["versions_applied"]) >= 2

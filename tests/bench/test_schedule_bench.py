@@ -151,10 +151,13 @@ def test_the_lookahead_is_the_deltarl_policys_window() -> None:
     assert "--lookahead must not be negative" in err
 
 
-def test_pinning_the_real_runs_needs_the_real_runs() -> None:
+def test_the_real_runs_options_need_the_real_runs() -> None:
     code, _, err = _bench("--prompts", "256", "--real-cpus", "trainer=0")
     assert code == 2
     assert "--real-cpus pins the real runs' daemons: it needs --real" in err
+    code, _, err = _bench("--prompts", "256", "--real-task", "default")
+    assert code == 2
+    assert "--real-task is the real runs' task: it needs --real" in err
 
 
 def test_step_skewness_is_per_step_and_the_tail_is_the_drain() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from deltarl.scheduler.store import SchedulerStore
 from tests.installed import require_vllm
 
 require_vllm()
@@ -59,11 +60,14 @@ def test_the_real_half_runs_each_policy_on_the_daemons_and_measures_the_models_e
             "model_error"} <= set(real)  # fmt: skip
     assert set(real["policies"]) == {"sync", "least_requests", "deltarl"}
     assert real["cpus"] == [f"trainer={trainer}", f"rollout={rollout}"]
+    assert real["task"] == "long_tail"  # the default: lengths forced, long-tailed
     for policy, m in real["policies"].items():
         assert m["throughput_tok_s"] > 0, policy
         assert m["skewness"] >= 1
         run = tmp_path / "runs" / policy
-        assert (run / "scheduler.sqlite").is_file()
+        with SchedulerStore(run / "scheduler.sqlite", readonly=True) as store:
+            lengths = {o for *_, outputs in store.length_records() for o in outputs}
+        assert len(lengths) > 10, lengths
         assert f"pinned to CPUs {trainer}" in (run / "trainer.log").read_text()
         assert f"pinned to CPUs {rollout}" in (run / "rollout.log").read_text()
     assert real["model_error"] >= 0
