@@ -320,19 +320,25 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist):
     prev = np.int64(-1)
     if ref.itemsize == 2:
         # Per 64 elements (16 words): the top bit of each nonzero 16-bit lane of the XOR,
-        # gathered into 4 bits per word, makes a 64-bit mask of changed elements. Slices keep
-        # the word loop free of index checks so it vectorises.
+        # gathered into 4 bits per word, makes a 64-bit mask of changed elements. Two passes:
+        # every mask first, in a loop that does nothing else, which the compiler vectorises;
+        # then the set bits. Building each mask and visiting its bits in one loop kept the
+        # mask arithmetic scalar: measured on 32M bf16 elements, 17.5 ms against 6.0 for an
+        # unchanged range, 15.2 against 11.8 at 3.7% changed (bench/codec.py's step 1).
         nb = n // 64
         w0 = s // 4
+        masks = np.empty(nb, np.uint64)  # 1/32 of the range's bytes, per item
         for b in range(nb):
-            ra = refw[w0 + b * 16 : w0 + b * 16 + 16]
-            ca = curw[w0 + b * 16 : w0 + b * 16 + 16]
+            base = w0 + b * 16
             m = _U0
             for j in range(16):
-                x = ra[j] ^ ca[j]
+                x = refw[base + j] ^ curw[base + j]
                 lanes = (((x & _LO15) + _LO15) | x) & _HI15
                 nib = ((lanes >> np.uint64(15)) * _GATHER4) >> np.uint64(45) & np.uint64(0xF)
                 m |= nib << np.uint64(4 * j)
+            masks[b] = m
+        for b in range(nb):
+            m = masks[b]
             e = s + b * 64
             while m != _U0:
                 j = np.int64(trailing_zeros(m))
