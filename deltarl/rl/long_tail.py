@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from deltarl.rl.task import mix64
+from deltarl.rl.task import RepeatLetter, mix64
 
 # Hash streams: the same (seed, prompt_id) must give independent normals for the typical
 # length, the prompt's filler and the samples' lengths, so each draw carries its own tag.
@@ -83,6 +83,7 @@ class LongTail:
     letters: str = "abcd"
     min_chars: int = 8
     name: str = "long_tail"
+    _letters: RepeatLetter = field(init=False, repr=False, compare=False)
 
     TEMPLATE = "#{id} {filler}Say a lot of {letter}: "
 
@@ -97,17 +98,16 @@ class LongTail:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if self.size < 0:
             raise ValueError(f"size must be >= 0 (0: infinite), got {self.size!r}")
-        if self.min_chars < 1:
-            raise ValueError(f"min_chars must be >= 1, got {self.min_chars!r}")
-        if not self.letters or len(set(self.letters)) != len(self.letters):
-            raise ValueError(f"letters must be distinct and non-empty, got {self.letters!r}")
+        # The letters and the reward are RepeatLetter's, which checks its own knobs.
+        base = RepeatLetter(self.seed, self.size, self.letters, self.min_chars)
+        object.__setattr__(self, "_letters", base)  # frozen: set once, here
 
     def _check(self, prompt_id: int) -> None:
         if prompt_id < 0 or (self.size and prompt_id >= self.size):
             raise IndexError(f"prompt id {prompt_id} is outside the dataset (size {self.size})")
 
     def letter(self, prompt_id: int) -> str:
-        return self.letters[mix64(self.seed, prompt_id) % len(self.letters)]
+        return self._letters.letter(prompt_id)
 
     def _log_typical(self, prompt_id: int) -> float:
         z = normal(self.seed, prompt_id, TYPICAL_TAG)
@@ -136,8 +136,7 @@ class LongTail:
         match = _PROMPT.match(prompt)
         if match is None:
             raise ValueError(f"not a prompt of this task: {prompt!r}")
-        target = match.group(2)
-        return completion.count(target) / max(len(completion), self.min_chars)
+        return self._letters.reward(RepeatLetter.TEMPLATE.format(match.group(2)), completion)
 
     def output_lengths(self, prompt_id: int, draw: int, n: int) -> list[int]:
         """The forced completion length of each of the ``n`` samples of one draw of
