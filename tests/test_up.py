@@ -152,7 +152,10 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     # and only whole blocks are cached (tests/rollout/test_vllm_engine.py checks real hits).
     assert 0 <= result["prefix_cache_hit_rate"] <= 1
     assert result["sorting_wait_median"] >= 0
-    assert result["length_error_median"] is None  # no plan: nothing predicted
+    # No plan: the scheduler predicts from the run's own lengths once 16 groups have pooled
+    # (run_lengths.py); the tiny task's four prompts nearly always run to max_tokens, so
+    # their history predicts them almost exactly.
+    assert 0 <= result["length_error_median"] < 0.2
     assert "dispatch          fifo; sorting wait median" in proc.stderr
 
 
