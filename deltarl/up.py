@@ -72,6 +72,7 @@ from deltarl.launch import DaemonGroup
 from deltarl.ops.placement import format_cpu_list, parse_cpu_list
 from deltarl.recorded_versions import VersionRecorder
 from deltarl.rl.protocol import REPLIES, GetHistory, History
+from deltarl.rl.task import ShapedLengths, make_task
 from deltarl.up_models import PROFILES, Profile
 from deltarl.up_summary import Progress, SummaryError, print_summary, summarise
 
@@ -389,7 +390,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             args.engine_args[key] = value  # a plain string
     args.cpus = _cpus(ap, args.cpus, args.rollouts)
     profile = PROFILES[args.model]
-    for key in ("task", "group_size", "groups_per_step", "max_tokens", "lr", "temperature"):
+    args.task = args.task or profile.task
+    try:
+        task = make_task(args.task)
+    except ValueError as e:
+        ap.error(f"--task: {e}")
+    if args.max_tokens is None and isinstance(task, ShapedLengths):
+        # A task that forces its completion lengths needs room for them: at the profile's
+        # max_tokens (16 for the tiny model) every long one would be cut to it.
+        args.max_tokens = task.max_tokens
+    for key in ("group_size", "groups_per_step", "max_tokens", "lr", "temperature"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(profile, key))
     return args

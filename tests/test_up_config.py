@@ -11,6 +11,7 @@ import pytest
 
 from deltarl import up
 from deltarl.ops.placement import parse_cpu_list
+from deltarl.rl.long_tail import LongTail
 
 
 def _tables(tmp_path: Path, argv: list[str]) -> dict:
@@ -56,6 +57,17 @@ def test_the_trainers_threads_are_counted_from_its_cpus(tmp_path: Path) -> None:
     (tmp_path / "auto").mkdir()
     trainer = _tables(tmp_path / "auto", smollm2)["trainer"]
     assert trainer["threads"] == len(parse_cpu_list(trainer["cpus"]))
+
+
+def test_a_task_that_forces_lengths_gets_room_for_them_and_unknown_tasks_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert up._parse([]).max_tokens == up.PROFILES["tiny"].max_tokens
+    assert up._parse(["--task", "long_tail"]).max_tokens == LongTail().max_tokens
+    assert up._parse(["--task", "long_tail", "--max-tokens", "64"]).max_tokens == 64
+    with pytest.raises(SystemExit):
+        up._parse(["--task", "nope"])
+    assert "--task: unknown task 'nope'; known:" in capsys.readouterr().err
 
 
 def test_the_dispatch_window_reaches_the_scheduler(tmp_path: Path) -> None:

@@ -62,6 +62,9 @@ class ShapedLengths(Protocol):
     sends a group's lengths as ``sampling["lengths"]``; the rollout engine then generates
     exactly that many tokens per sample (EOS ignored)."""
 
+    max_tokens: int
+    """The longest length it forces (``deltarl up`` makes it the sampling's ``max_tokens``)."""
+
     def output_lengths(self, prompt_id: int, draw: int, n: int) -> list[int]:
         """The completion length of each of the ``n`` samples of one draw of ``prompt_id``
         (the group's sampling seed), each in [1, the task's max_tokens]; the same in every
