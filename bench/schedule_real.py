@@ -31,15 +31,15 @@ from typing import Any
 
 import orjson
 
-from deltarl.rl.long_tail import LongTail
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.sim.schedule_model import POLICIES, CostModel, PromptGroup, Workload, run_policy
 
 GROUPS_PER_STEP = 8  # the tiny profile's (deltarl/up_models.py)
 REAL_TASKS: dict[str, tuple[str, ...]] = {
     # Completion lengths forced per sample to a long-tailed distribution (deltarl.rl.long_tail),
-    # up to the task's cap: the workload length-aware dispatch is for.
-    "long_tail": ("--task", "long_tail", "--max-tokens", str(LongTail().max_tokens)),
+    # up to the task's cap, which `deltarl up` makes its max_tokens: the workload
+    # length-aware dispatch is for.
+    "long_tail": ("--task", "long_tail"),
     # The tiny model's own task: its completions nearly all run to max_tokens.
     "default": (),
 }

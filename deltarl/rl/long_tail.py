@@ -6,8 +6,9 @@ that needs a workload where a few groups run many times longer than the median. 
 tiny model cannot produce one by itself: its completions all run to ``max_tokens``. So the
 lengths here are *forced*, not learned: the task fixes each sample's completion length
 (``output_lengths``), the scheduler sends them with the group (``sampling["lengths"]``) and
-the rollout engine generates exactly that many tokens (``min_tokens = max_tokens``, EOS
-ignored). The reward is ``RepeatLetter``'s letter share, so the task still trains.
+the rollout engine generates exactly that many tokens (``max_tokens`` per sample, EOS
+ignored; ``deltarl.rollout.engine`` says why not ``min_tokens``). The reward is
+``RepeatLetter``'s letter share, so the task still trains.
 
 The lengths, all drawn from a fixed integer hash (``mix64``) so every process agrees without
 storing anything:

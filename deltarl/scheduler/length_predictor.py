@@ -163,16 +163,6 @@ class LengthPredictor:
             self._stale = False
         return self._weights
 
-    @property
-    def by_key(self) -> dict[int, float]:
-        """Mean completion tokens per sample of each prompt on record."""
-        return {k: s / n for k, (s, n) in self._by_key.items()}
-
-    @property
-    def by_class(self) -> dict[int, float]:
-        """Mean per length class, for the classes with at least ``min_count`` groups."""
-        return {c: s / n for c, (s, n) in self._by_class.items() if n >= self.min_count}
-
     def predict(self, text: str) -> Prediction:
         found = self._by_key.get(prompt_key(text))
         if found is not None:
@@ -196,5 +186,10 @@ def load_history(paths: Sequence[Path]) -> list[Record]:
         if not db.is_file():
             raise FileNotFoundError(f"{path}: no scheduler store there")
         with SchedulerStore(db, readonly=True) as store:
-            out += [Record(t, k, x, tuple(o)) for t, k, x, _, o in store.length_records()]
+            out += store_records(store)
     return out
+
+
+def store_records(store: SchedulerStore) -> list[Record]:
+    """Every group recorded in one open scheduler store's ``length_history``."""
+    return [Record(t, k, x, tuple(o)) for t, k, x, _, o in store.length_records()]

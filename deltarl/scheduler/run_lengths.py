@@ -27,7 +27,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from deltarl.rl.task import ShapedLengths, Task
-from deltarl.scheduler.length_predictor import LengthPredictor, Record, prompt_key
+from deltarl.scheduler.length_log import LengthNote
+from deltarl.scheduler.length_predictor import LengthPredictor, Record, store_records
 from deltarl.scheduler.plan_view import PlannedTask
 from deltarl.scheduler.rows import Group
 from deltarl.scheduler.store import SchedulerStore
@@ -44,11 +45,7 @@ class RunLengths:
         self.task = task
         self.group_size = group_size
         # default_tokens is never given out: predictions start once the fit answers.
-        self.predictor = LengthPredictor(
-            (Record(t, k, x, tuple(o)) for t, k, x, _, o in store.length_records()),
-            task.name,
-            default_tokens=1.0,
-        )
+        self.predictor = LengthPredictor(store_records(store), task.name, default_tokens=1.0)
         self._dispatched: OrderedDict[str, float] = OrderedDict()
 
     def predicted_tokens(self, prompt_id: int) -> float | None:
@@ -72,9 +69,10 @@ class RunLengths:
         """What was predicted per sample for this group when it was issued (then forgotten)."""
         return self._dispatched.pop(group_id, None)
 
-    def learn(self, prompt: str, outputs: tuple[int, ...]) -> None:
-        """One pooled group's lengths (each sample's completion tokens)."""
-        self.predictor.add(Record(self.task.name, prompt_key(prompt), prompt, outputs))
+    def learn(self, note: LengthNote) -> None:
+        """One pooled group's lengths, as its history row holds them (a group without
+        samples teaches nothing: ``LengthPredictor.add``)."""
+        self.predictor.add(Record(note.task, note.prompt_key, note.prompt_text, note.outputs))
 
 
 def forced_lengths(

@@ -720,8 +720,8 @@ class SchedulerService(DaemonCore):
             # pooled instead, so these samples are counted as dropped, not pooled twice.
             stale = f"group {group.group_id} was requeued while it was scored; not accepted"
             return self._refuse_stale(group, group.attempt, n, stale)
-        if self.run_lengths is not None and lengths.outputs:
-            self.run_lengths.learn(prompt, lengths.outputs)  # as the store now holds it
+        if self.run_lengths is not None:
+            self.run_lengths.learn(lengths)  # as the store now holds it
         self._pooled_at.append((self.monotonic(), n))
         return Ok("pooled")
 
