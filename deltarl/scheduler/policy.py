@@ -27,7 +27,9 @@ Policies, chosen by name (``policy = "..."`` in the scheduler's table, ``make_po
   instance that prefilled it (its home, ``prefix_home``) while that instance holds the same
   weight version and its predicted wait exceeds the least by no more than
   ``AFFINITY_SLACK`` times the prompt's own predicted time there: prefix affinity, unless
-  the wait is too long.
+  the wait is too long. Under ``lag_rule = "partial"`` its predictions also serve the
+  throttle gate, which then counts only the issued groups forecast to land within its window
+  (``forecasts_landing``, ``deltarl.scheduler.landing``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class DispatchPolicy(Protocol):
         """A lag bound the policy imposes on the throttle gate (None: the configured one)."""
         ...
 
+    @property
+    def forecasts_landing(self) -> bool:
+        """Under ``lag_rule = "partial"``, the throttle counts only the issued groups forecast
+        to land within its window (``deltarl.scheduler.landing``), not all of them."""
+        ...
+
     def choose(
         self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates
     ) -> list[int]:
@@ -111,6 +119,7 @@ class FifoLeastLoaded:
     name: str = "fifo"
     lookahead: int = 0
     max_lag: int | None = None
+    forecasts_landing: bool = False
 
     def choose(
         self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates
@@ -131,6 +140,7 @@ class PredictedWait:
     name: str = "deltarl"
     lookahead: int = 64
     max_lag: int | None = None
+    forecasts_landing: bool = True
 
     def choose(
         self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates

@@ -93,6 +93,7 @@ from deltarl.rl.samples import SampleError, decode_group, sample_count
 from deltarl.rl.task import Task, make_task, mix64
 from deltarl.scheduler import token_lag
 from deltarl.scheduler.evaluation import Evaluation, is_eval_group
+from deltarl.scheduler.landing import InFlight, LandingForecast
 from deltarl.scheduler.length_log import LengthNote
 from deltarl.scheduler.length_predictor import prompt_key
 from deltarl.scheduler.plan import PlanError, load_plan
@@ -135,6 +136,8 @@ class Instance:
     queue_depth: int = 0
     tokens_per_s: float = 0.0
     busy_s: float = 0.0
+    progress: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Group id -> tokens generated so far, from its last heartbeat (``Heartbeat.progress``)."""
 
 
 class SchedulerService(DaemonCore):
@@ -172,6 +175,7 @@ class SchedulerService(DaemonCore):
         self.instances: dict[str, Instance] = {}
         self._scoring: dict[str, asyncio.Future[Reply]] = {}
         self._pooled_at: deque[tuple[float, int]] = deque()  # (monotonic, samples): throughput
+        self.landing = LandingForecast()  # the throttle's count under ``partial``
         version = store.meta("trainer_version")
         self.trainer_version: int | None = None if version is None else int(version)
         store.record_run(config.as_record())
@@ -337,6 +341,12 @@ class SchedulerService(DaemonCore):
         inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
         inst.running_groups, inst.queue_depth = cmd.running_groups, cmd.queue_depth
         inst.tokens_per_s, inst.busy_s = cmd.tokens_per_s, cmd.busy_s
+        if isinstance(cmd.progress, dict):
+            inst.progress = {
+                str(g): f[1]
+                for g, f in cmd.progress.items()
+                if isinstance(f, list) and len(f) == 2 and isinstance(f[1], int)
+            }
         benched = bool(self.stragglers.benched_for(inst.name, self.monotonic()))
         self.metrics.instance_seen(inst.name, inst.weight_version, not benched)
         if cmd.reports_held and isinstance(cmd.held, list):
@@ -453,15 +463,35 @@ class SchedulerService(DaemonCore):
                 return self._wait(f"sync: weights {version}, trainer {tv}, bound {bound}", tv)
             return None
         counts = self.store.state_counts()
-        waiting = counts["pooled"] + counts["issued"]
         behind = tv + self._steps_in_training() - version  # the lag of a group landing next
+        waiting = counts["pooled"] + counts["issued"]
         # Groups landing within ``bound - behind`` steps after the next are within the bound.
         allowed = (bound - behind + 1) * cfg.groups_per_step - waiting
+        if cfg.lag_rule == "partial" and self.policy.forecasts_landing:
+            # Groups that go on under new weights add no lag to those issued now unless they
+            # land ahead of them: when they are forecast to land counts (landing.py).
+            allowed = self.landing.room(
+                self._in_flight(), counts["pooled"], bound - behind + 1, cfg.groups_per_step
+            )
         if allowed <= 0:
             predicted = behind + waiting // cfg.groups_per_step
             self.store.bump("lag.throttled")
             return self._wait(f"throttle: predicted lag {predicted} > bound {bound}")
         return allowed
+
+    def _in_flight(self) -> list[InFlight]:
+        """The issued groups, with their predictions, progress and instances' rates."""
+        out = []
+        for g in self.store.groups(PromptState.ISSUED):
+            inst = self.instances.get(g.instance or "")
+            rate = (
+                inst.tokens_per_s / inst.running_groups
+                if inst is not None and inst.running_groups > 0
+                else 0.0
+            )
+            done = inst.progress.get(g.group_id, 0) if inst is not None else 0
+            out.append(InFlight(self.predicted_tokens(g.prompt_id), done, rate))
+        return out
 
     async def get_work(self, cmd: GetWork) -> Reply:
         inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
@@ -777,6 +807,7 @@ class SchedulerService(DaemonCore):
         )
         if result.groups and not result.replayed:  # recorded with this new step
             self.reward_window.reset()
+            self.landing.shipped(self.monotonic())
             recorded = self.store.history(last=1)
             if recorded:
                 self.metrics.step_shipped(recorded[-1])

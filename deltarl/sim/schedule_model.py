@@ -15,7 +15,10 @@ What every policy shares, as the scheduler does (``deltarl/scheduler/service.py`
 - pull dispatch: an instance gets a group only when it has room for all its samples;
 - the throttle gate at lag bound L: an instance ``behind`` versions behind the trainer (plus
   one while a step trains) gets work only while fewer than ``(L - behind + 1) *
-  groups_per_step`` groups are running or pooled;
+  groups_per_step`` groups are running or pooled; under ``partial`` the ``deltarl`` policy
+  counts its running groups where they are forecast to land instead
+  (``deltarl/scheduler/landing.py``: predicted remaining tokens at the instance's rate per
+  group, in ship intervals), as the scheduler does;
 - the trainer takes the first ``groups_per_step`` pooled groups (completion order) when it is
   idle, trains ``train_s``, publishes a version; every instance then stalls ``refit_s`` for
   the refit (between two engine steps: running sequences continue, a partial rollout);
@@ -63,6 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deltarl.scheduler.landing import InFlight, LandingForecast
 from deltarl.scheduler.step_busy import skewness
 
 POLICIES = ("sync", "least_requests", "deltarl")
@@ -312,13 +316,42 @@ class _Run:
         self.busy_at_ship: list[list[float]] = []  # each instance's busy seconds at each step
         self.last_issue = 0.0  # when the last group was issued
         self.over_bound = 0.0  # trained tokens more than the bound behind
+        # Under ``partial`` the deltarl policy's throttle counts issued groups where they are
+        # forecast to land (deltarl/scheduler/landing.py), as the scheduler's does.
+        self.forecast = LandingForecast() if policy == "deltarl" and lag_rule == "partial" else None
+        self.rooms: dict[int, int] = {}  # window -> the forecast's room at this dispatch
+        self.admitted = 0  # groups admitted in this dispatch
 
     # -- dispatch -----------------------------------------------------------------------
 
     def _allowed(self, inst: _Instance) -> int:
         """The throttle gate (the scheduler's): groups landing within the lag bound."""
         behind = self.version + (1 if self.training_until is not None else 0) - inst.version
-        return (self.lag - behind + 1) * self.gps - (self.issued + len(self.pooled))
+        window = self.lag - behind + 1
+        if self.forecast is None:
+            return window * self.gps - (self.issued + len(self.pooled))
+        if window not in self.rooms:
+            self.rooms[window] = self.forecast.room(
+                self._in_flight(), len(self.pooled), window, self.gps
+            )
+        return self.rooms[window] - self.admitted  # those admitted since count as landing now
+
+    def _in_flight(self) -> list[InFlight]:
+        """The running groups as the scheduler's forecast sees them: predicted tokens, tokens
+        generated so far (the heartbeat's progress), the instance's rate per group."""
+        out = []
+        for inst in self.insts:
+            inst.advance(self.now)
+            if not inst.groups:
+                continue
+            rate = self._throughput(inst) / len(inst.groups)
+            left: dict[int, float] = {}
+            for x in inst.running:
+                left[x.group] = left.get(x.group, 0.0) + max(x.remaining, 0.0)
+            for g in inst.groups:
+                generated = self.w.groups[g].tokens - left.get(g, 0.0)
+                out.append(InFlight(self.w.predicted_tokens[g], int(generated), rate))
+        return out
 
     def _candidates(self) -> list[int]:
         n = len(self.w.groups)
@@ -339,6 +372,7 @@ class _Run:
         return seqs / per
 
     def dispatch(self) -> None:
+        self.rooms, self.admitted = {}, 0
         while True:
             cands = self._candidates()
             if not cands:
@@ -375,6 +409,7 @@ class _Run:
         self.by_version[g] = {}
         self.record[g] = _Group(g, self.attempts[g], inst.version, self.now, 0.0, inst.index)
         self.issued += 1
+        self.admitted += 1
         self.last_issue = self.now
         self._schedule(inst)
 
@@ -434,6 +469,8 @@ class _Run:
         step, self.pooled = fresh[: self.gps], fresh[self.gps :]
         self.steps.append(step)
         self.shipped_at.append(self.now)
+        if self.forecast is not None:
+            self.forecast.shipped(self.now)
         for i in self.insts:  # busy up to now, as each engine's heartbeat would report it
             i.advance(self.now)
         self.busy_at_ship.append([i.busy for i in self.insts])

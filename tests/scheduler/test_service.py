@@ -366,6 +366,7 @@ class _EveryOther:
     name = "every-other"
     lookahead = 0
     max_lag = None
+    forecasts_landing = False
 
     def choose(
         self, request: WorkRequest, instances: Sequence[InstanceLoad], candidates: Candidates
