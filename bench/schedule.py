@@ -29,20 +29,23 @@ tail: the drain of a finite dataset, when an idle instance has nothing left to t
 last long groups finish. The default workload (``DEFAULT_PROMPTS``) is therefore 128 steps long,
 a short RL run, not 16 steps: there the drain is a few percent of the run, not a third.
 ``real``: the same policies on the real rollout daemons (``--real``), the same M for each plus
-``model_error``; null without ``--real``.
+``model_error``; null without ``--real``. With ``--calibrate``, ``calibration``: the decode
+fit's R^2 and points, and ``placement`` (``cpus``, ``engines_sharing``): where the engine was
+measured and how many engines the cost model takes to share those CPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import orjson
-from deltarl.bench.schedule_real import REAL_TASKS, run_real
+from deltarl.bench.schedule_real import REAL_TASKS, engine_cpus, run_real
 
 from deltarl.atomic_file import write_atomic
 from deltarl.sim.schedule_model import (
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         metavar="FILE",
         help="measure the cost model on this machine's rollout engine first, write it to FILE "
-        "(a --cost file) and use it",
+        "(a --cost file) and use it; with --real, on the real runs' engines' CPUs, its costs "
+        "multiplied by the engines that share them",
     )
     ap.add_argument("--model-dir", type=Path, help="the engine's model (default: the tiny one)")
     ap.add_argument(
@@ -305,13 +309,21 @@ def main(argv: list[str] | None = None) -> int:
         return _convergence(args)
     calibration = None
     if args.calibrate:
-        from deltarl.bench.schedule_calibrate import calibrate  # noqa: PLC0415 - vLLM is heavy
+        from deltarl.bench.schedule_calibrate import calibrate_placed  # noqa: PLC0415
 
-        cost, calibration = calibrate(args.model_dir)
+        # Measured where the real runs' engines run, as many as share those CPUs; without
+        # --real, one engine as this process may run it.
+        cpus, engines = engine_cpus(args.real_cpus, args.real_rollouts) if args.real else (None, 1)
+        try:
+            cost, calibration = calibrate_placed(args.model_dir, cpus, engines)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"deltarl bench schedule: {e}", file=sys.stderr)
+            return 1
         write_atomic(args.calibrate, orjson.dumps(dataclasses.asdict(cost)))
         print(
             f"deltarl bench schedule: cost model measured on the engine (decode fit R^2 "
-            f"{calibration['decode_r2']:.3f} over {calibration['decode_points']} steps), "
+            f"{calibration['decode_r2']:.3f} over {calibration['decode_points']} steps; "
+            f"CPUs {cpus or 'all'}, times {engines} engines sharing them), "
             f"written to {args.calibrate}",
             file=sys.stderr,
         )
@@ -363,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     result["cost_model"] = dataclasses.asdict(cost)
     result["calibrated"] = calibration is not None or args.cost is not None
+    if calibration is not None:
+        result["calibration"] = calibration
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     else:

@@ -14,21 +14,34 @@ or ``--model-dir``), and times it:
 
 The fit's R^2 and point count come with it. The JSON written is the ``CostModel`` fields, what
 ``--cost FILE`` reads.
+
+The engine is measured where the model's instances will run (``calibrate_placed``): in a
+process of its own, pinned to the CPUs of the real runs' engines (``--real-cpus``, or
+``deltarl up``'s own placement) when ``--real`` comes with ``--calibrate``, and its costs
+multiplied by the number of engines pinned to those same CPUs, which time-share them
+(``CostModel.time_shared``). Measured on one engine over every CPU, the model took each of
+the real runs' two engines (one CPU between them) to be several times as fast as it was:
+its throughput error was 209%.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
+from deltarl.ops.placement import format_cpu_list
 from deltarl.sim.schedule_model import CostModel
 
 BATCHES = (1, 4, 16, 48)
@@ -55,6 +68,47 @@ def _stdout_on_stderr() -> Iterator[None]:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def calibrate_placed(
+    model_dir: Path | None, cpus: str | None, engines: int = 1
+) -> tuple[CostModel, dict[str, Any]]:
+    """Measure the engine in a process of its own pinned to ``cpus`` (None: unpinned), then
+    take its costs as ``engines`` time-sharing those CPUs (module docstring). RuntimeError
+    with the end of its log if the measuring process fails."""
+    cmd = [sys.executable, "-m", "deltarl.bench.schedule_calibrate"]
+    cmd += ["--cpus", cpus] if cpus else []
+    cmd += ["--model-dir", str(model_dir)] if model_dir else []
+    proc = subprocess.run(  # noqa: S603 - our own module
+        cmd, capture_output=True, text=True, timeout=1800, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibration failed:\n{proc.stderr[-4000:]}")
+    measured = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    cost = CostModel(**measured["cost"]).time_shared(engines)
+    info: dict[str, Any] = measured["calibration"]
+    info["placement"] = {"cpus": cpus, "engines_sharing": engines}
+    info["measured"] = measured["cost"]  # one engine alone on those CPUs
+    return cost, info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deltarl.bench.schedule_calibrate [--cpus LIST] [--model-dir DIR]``: one
+    JSON object on stdout, ``{"cost": CostModel fields, "calibration": the fit's figures}``."""
+    ap = argparse.ArgumentParser(prog="python -m deltarl.bench.schedule_calibrate")
+    ap.add_argument("--cpus", help="pin this process to these CPUs first (a cpu list)")
+    ap.add_argument("--model-dir", type=Path)
+    args = ap.parse_args(argv)
+    if args.cpus:
+        from deltarl.ops.placement import pin_at_start  # noqa: PLC0415
+
+        pin_at_start(args.cpus)  # executes this process again, pinned, before vLLM loads
+    cost, info = calibrate(args.model_dir)
+    info["ran_on"] = format_cpu_list(os.sched_getaffinity(0))
+    sys.stdout.write(
+        orjson.dumps({"cost": dataclasses.asdict(cost), "calibration": info}).decode() + "\n"
+    )
+    return 0
 
 
 def calibrate(model_dir: Path | None = None) -> tuple[CostModel, dict[str, Any]]:
@@ -112,3 +166,7 @@ def _calibrate(model_dir: Path | None) -> tuple[CostModel, dict[str, Any]]:
         max_seqs=config.max_num_seqs,
     )
     return cost, {"decode_points": len(points), "decode_r2": r2, "prefill_points": firsts}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,13 +15,16 @@ directory of its own. From each run:
   instances, for the same policy. ``model_error`` is the mean over the policies of |predicted
   - real| / real throughput.
 
-The tiny model's completions run to its ``max_tokens`` almost always: the lengths hardly vary,
-so what length-aware dispatch removes is small here; the model is checked against the real
-runs all the same.
+The default task, ``long_tail``, forces each sample's completion length to a long-tailed
+draw (``deltarl.rl.long_tail``): the tiny model's own completions nearly all run to its
+``max_tokens``, and there would be nothing for length-aware dispatch to use
+(``--real-task default``). With ``--calibrate`` the cost model is measured where the real
+runs' engines run (``engine_cpus``, ``schedule_calibrate.calibrate_placed``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -31,8 +34,10 @@ from typing import Any
 
 import orjson
 
+from deltarl.ops.placement import parse_cpu_list
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.sim.schedule_model import POLICIES, CostModel, PromptGroup, Workload, run_policy
+from deltarl.up import auto_cpus, rollout_names
 
 GROUPS_PER_STEP = 8  # the tiny profile's (deltarl/up_models.py)
 REAL_TASKS: dict[str, tuple[str, ...]] = {
@@ -43,6 +48,30 @@ REAL_TASKS: dict[str, tuple[str, ...]] = {
     # The tiny model's own task: its completions nearly all run to max_tokens.
     "default": (),
 }
+
+
+def engine_cpus(cpus: Sequence[str], rollouts: int) -> tuple[str | None, int]:
+    """Where the real runs' first engine runs (a cpu list; None: unpinned, on every CPU) and
+    how many of their engines run on CPUs it runs on: ``deltarl up``'s own placement when
+    ``cpus`` is empty, nothing pinned for ``none``, else the ``--cpus`` items' (``rollout=``:
+    every engine; ``rollout-2=``: that one)."""
+    names = rollout_names(rollouts)
+    placed: dict[str, str] = {}
+    if not cpus:
+        placed = auto_cpus(os.sched_getaffinity(0), names)
+    elif "none" not in cpus:
+        for item in cpus:
+            daemon, _, text = item.partition("=")
+            for name in names if daemon == "rollout" else [daemon]:
+                if name in names:
+                    placed[name] = text
+    every = frozenset(os.sched_getaffinity(0))
+
+    def on(name: str) -> frozenset[int]:
+        return parse_cpu_list(placed[name]) if name in placed else every
+
+    first = on(names[0])
+    return placed.get(names[0]), sum(1 for n in names if on(n) & first)
 
 
 def up_summary(label: str, *args: str) -> dict[str, Any]:

@@ -19,7 +19,9 @@ heartbeat ``progress``) at its instance's measured tokens per second per running
 ship intervals (the median of the recent ones). The forecast errs towards landing early: a
 group with no prediction or no measured rate lands now, as does one that has outrun its
 prediction; and the groups issued now are counted as landing at once. Before two steps have
-shipped there is no interval, and the throttle's own rule holds.
+shipped there is no interval, and the throttle's own rule holds. Under a cap on token age
+(``max_token_lag_steps``) the throttle's own rule holds too: the long groups the forecast lets
+run are the ones the cap would stop.
 
 A wrong forecast costs lag, not correctness: a group that lands earlier than forecast joins
 the pool ahead of others, whose lag at ship may then exceed the bound; the hard rule still
@@ -86,7 +88,7 @@ class LandingForecast:
         rule, with only the groups forecast to land by then counted; the later ``j`` keep the
         long groups from all landing in one step later on."""
         step = self.step_s()
-        if step is None or window <= 0:
+        if step is None or step <= 0 or window <= 0:
             return window * per_step - pooled - len(groups)  # the throttle's rule
         due = sorted(_time_left(g) for g in groups)
         # Between two landings the places grow and the landed stay: the least room is at j = 1

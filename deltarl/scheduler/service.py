@@ -467,9 +467,14 @@ class SchedulerService(DaemonCore):
         waiting = counts["pooled"] + counts["issued"]
         # Groups landing within ``bound - behind`` steps after the next are within the bound.
         allowed = (bound - behind + 1) * cfg.groups_per_step - waiting
-        if cfg.lag_rule == "partial" and self.policy.forecasts_landing:
+        if (
+            cfg.lag_rule == "partial"
+            and cfg.max_token_lag_steps is None
+            and self.policy.forecasts_landing
+        ):
             # Groups that go on under new weights add no lag to those issued now unless they
-            # land ahead of them: when they are forecast to land counts (landing.py).
+            # land ahead of them: when they are forecast to land counts (landing.py). Not
+            # under a cap on token age, which would stop the long groups it lets run.
             allowed = self.landing.room(
                 self._in_flight(), counts["pooled"], bound - behind + 1, cfg.groups_per_step
             )

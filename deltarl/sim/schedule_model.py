@@ -57,6 +57,7 @@ time groups take to generate: what the scheduler records per step), ``wasted_tok
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -95,6 +96,18 @@ class CostModel:
         mean_ctx = ctx + seqs * (k - 1) / 2
         per = self.decode_base_s + self.decode_per_seq_s * seqs
         return k * (per + self.decode_per_kctx_s * mean_ctx / 1000)
+
+    def time_shared(self, engines: int) -> CostModel:
+        """This engine's costs when ``engines`` as busy share its CPUs: each step takes that
+        many times as long (the real runs of ``bench schedule --real`` pin every engine to
+        the same CPUs)."""
+        return dataclasses.replace(
+            self,
+            decode_base_s=self.decode_base_s * engines,
+            decode_per_seq_s=self.decode_per_seq_s * engines,
+            decode_per_kctx_s=self.decode_per_kctx_s * engines,
+            prefill_per_token_s=self.prefill_per_token_s * engines,
+        )
 
 
 @dataclass(frozen=True)
@@ -318,7 +331,11 @@ class _Run:
         self.over_bound = 0.0  # trained tokens more than the bound behind
         # Under ``partial`` the deltarl policy's throttle counts issued groups where they are
         # forecast to land (deltarl/scheduler/landing.py), as the scheduler's does.
-        self.forecast = LandingForecast() if policy == "deltarl" and lag_rule == "partial" else None
+        self.forecast = (
+            LandingForecast()
+            if policy == "deltarl" and lag_rule == "partial" and self.token_cap is None
+            else None
+        )
         self.rooms: dict[int, int] = {}  # window -> the forecast's room at this dispatch
         self.admitted = 0  # groups admitted in this dispatch
 

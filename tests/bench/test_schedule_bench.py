@@ -5,6 +5,7 @@ pad less; a trace file replays, and a bad one is refused."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 from deltarl.bench.schedule import DEFAULT_PROMPTS
+from deltarl.bench.schedule_real import engine_cpus
 
 from deltarl.config.rl import SchedulerConfig
 from deltarl.scheduler.policy import PredictedWait
@@ -23,6 +25,7 @@ from deltarl.sim.schedule_model import (
     Workload,
     run_policy,
 )
+from deltarl.up import auto_cpus
 
 METRICS = {
     "throughput_tok_s",
@@ -241,6 +244,53 @@ def test_under_partial_a_cap_on_the_oldest_token_stops_the_long_group() -> None:
     assert capped.over_bound_token_ratio == 0
     loose = partial(2)
     assert (loose.wasted_tokens_ratio, loose.over_bound_token_ratio) == (0.0, 10 / 2020)
+
+
+def test_under_partial_deltarl_lets_short_groups_by_a_long_one_in_flight() -> None:
+    """One instance, lag bound 1, one group a step: two places. A 2000-token group runs for
+    20 s beside 400 groups of 10 tokens. Under ``partial`` it will land long after the short
+    ones ship, so the deltarl policy's throttle counts it there (deltarl/scheduler/landing.py)
+    and two short groups generate at a time, not one: the run takes three quarters of the
+    time, and nothing is wasted. A cap on token age (one that never binds) turns the
+    forecast off: the long group holds its place all its life."""
+    cost = CostModel(decode_base_s=0.01, decode_per_seq_s=0.0, decode_per_kctx_s=0.0,
+                     prefill_per_token_s=0.0, max_seqs=8)  # fmt: skip
+    groups = (PromptGroup(1, (2000,)), *(PromptGroup(1, (10,)) for _ in range(400)))
+    w = Workload("one long", groups, tuple(float(g.tokens) for g in groups))
+
+    def partial(cap: int | None) -> Any:
+        return run_policy(
+            "deltarl", w, cost, 1, groups_per_step=1, train_s=0.05, refit_s=0.0,
+            lag_rule="partial", token_cap=cap,
+        )  # fmt: skip
+
+    forecast, counted = partial(None), partial(10**6)
+    assert forecast.steps == counted.steps == 401
+    assert forecast.wasted_tokens_ratio == counted.wasted_tokens_ratio == 0.0
+    assert forecast.wall_s < 0.8 * counted.wall_s
+    # one short group at a time, 0.1 s each (the training of one overlaps the next)
+    assert counted.wall_s == pytest.approx(40.05, rel=0.01)
+
+
+def test_a_calibration_is_taken_where_the_real_runs_engines_run() -> None:
+    """``engine_cpus``: the first engine's CPUs and how many engines run on them, under
+    ``deltarl up``'s own placement or the ``--real-cpus`` items; ``time_shared`` multiplies
+    every cost by the engines that share the CPUs."""
+    every = os.sched_getaffinity(0)
+    auto = auto_cpus(every, ["rollout", "rollout-2"])
+    assert engine_cpus([], 2) == (auto.get("rollout"), 2)  # all engines on the same half
+    assert engine_cpus(["none"], 2) == (None, 2)  # every engine on every CPU
+    assert engine_cpus(["rollout=0", "trainer=1"], 3) == ("0", 3)
+    assert engine_cpus(["rollout=0", "rollout-2=1"], 2) == ("0", 1)
+    assert engine_cpus(["rollout=0", "rollout-2=0-1"], 2) == ("0", 2)  # overlapping sets
+    assert engine_cpus(["trainer=1"], 2) == (None, 2)
+    cost = CostModel(decode_base_s=0.01, decode_per_seq_s=0.001, decode_per_kctx_s=0.0001,
+                     prefill_per_token_s=0.002, max_seqs=48)  # fmt: skip
+    shared = cost.time_shared(3)
+    assert shared.steps_time(5, 4, 100.0) == pytest.approx(3 * cost.steps_time(5, 4, 100.0))
+    assert shared.prefill_per_token_s == pytest.approx(0.006)
+    assert shared.max_seqs == 48
+    assert cost.time_shared(1) == cost
 
 
 def test_the_lag_rule_reaches_the_json() -> None:

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+from deltarl.bench.schedule_calibrate import calibrate_placed
 
+from deltarl.ops.placement import format_cpu_list
 from deltarl.scheduler.store import SchedulerStore
+from deltarl.sim.schedule_model import CostModel
 from tests.installed import require_vllm
 
 require_vllm()
@@ -36,6 +39,24 @@ def test_the_cost_model_is_measured_written_and_used(tmp_path: Path) -> None:
     assert result["calibrated"] is True
     assert result["cost_model"] == measured
     assert "decode fit R^2" in proc.stderr
+    # Without --real: one engine, measured on whatever CPUs this process may use.
+    calibration = result["calibration"]
+    assert calibration["placement"] == {"cpus": None, "engines_sharing": 1}
+    assert calibration["measured"] == measured
+    assert calibration["ran_on"] == format_cpu_list(os.sched_getaffinity(0))
+
+
+@pytest.mark.slow
+def test_the_engine_is_measured_where_the_real_runs_engines_run(tmp_path: Path) -> None:
+    """Pinned to one CPU that two engines share: the engine ran on that CPU alone, and the
+    model takes each engine's steps to be twice what it measured."""
+    cpu = str(min(os.sched_getaffinity(0)))
+    cost, info = calibrate_placed(None, cpu, 2)
+    assert info["ran_on"] == cpu
+    assert info["placement"] == {"cpus": cpu, "engines_sharing": 2}
+    assert cost == CostModel(**info["measured"]).time_shared(2)
+    assert cost.decode_base_s == pytest.approx(2 * info["measured"]["decode_base_s"])
+    assert cost.max_seqs == info["measured"]["max_seqs"]
 
 
 @pytest.mark.slow

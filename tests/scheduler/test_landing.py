@@ -67,15 +67,16 @@ def test_groups_take_places_where_they_are_forecast_to_land() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "lag_rule", "second"),
+    ("policy", "lag_rule", "cap", "second"),
     [
-        ("deltarl", "partial", 4),  # the long groups in flight leave their places free
-        ("deltarl", "oldest_token", 0),  # their first tokens fix their lag: they count
-        ("least_requests", "partial", 0),  # no forecast: every issued group counts
+        ("deltarl", "partial", None, 4),  # the long groups in flight leave their places free
+        ("deltarl", "oldest_token", None, 0),  # their first tokens fix their lag: they count
+        ("least_requests", "partial", None, 0),  # no forecast: every issued group counts
+        ("deltarl", "partial", 2, 0),  # a cap on token age would stop the long ones
     ],
 )
 def test_long_groups_in_flight_hold_no_places_under_partial(
-    tmp_path: Path, policy: str, lag_rule: str, second: int
+    tmp_path: Path, policy: str, lag_rule: str, cap: int | None, second: int
 ) -> None:
     """Bound 1, two groups a step: an instance at the trainer's version may have four groups
     pooled or issued. With four long ones generating, a second GetWork gets four more under
@@ -87,6 +88,7 @@ def test_long_groups_in_flight_hold_no_places_under_partial(
             tmp_path,
             policy=policy,
             lag_rule=lag_rule,
+            max_token_lag_steps=cap,
             on_lag_exceeded="throttle",
             max_policy_lag_steps=1,
             pool_capacity=64,
