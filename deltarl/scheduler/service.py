@@ -37,7 +37,10 @@ scheduler does *before* that, at ``GetWork``:
   one if a shipped step is still training), and the group's tokens will be the asking
   instance's version. A GetWork gets only the groups predicted within the bound; none:
   ``Work([], reason="throttle: ...")``, counted ``lag.throttled``. Generation waits for the
-  trainer; little is wasted (``token_waste`` measures it).
+  trainer; little is wasted (``token_waste`` measures it). Under ``lag_rule = "partial"``
+  (no cap on token age) a policy that ``forecasts_landing`` counts each issued group where it
+  is forecast to land instead (``landing``): a long group that goes on under new weights then
+  holds no place in the next step.
 - ``sync``: an instance whose weights are more than the bound behind the trainer gets
   ``sync_to`` = the trainer's version and no work until it has refitted (``lag.sync``):
   asynchrony degrades to synchronous steps for the instances that fall behind.

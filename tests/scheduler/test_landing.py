@@ -23,12 +23,13 @@ def _forecast(*ships: float) -> LandingForecast:
     return f
 
 
-def test_the_step_time_is_the_median_ship_interval() -> None:
+def test_the_step_time_is_the_longest_recent_ship_interval() -> None:
+    """The longest: steps of long groups train longest, just when long groups land."""
     assert _forecast().step_s() is None
     assert _forecast(5.0).step_s() is None
-    assert _forecast(0.0, 1.0, 2.0, 10.0).step_s() == 1.0
-    f = _forecast(*[float(t) for t in range(100)])
-    assert len(f.ships) == 9  # the recent intervals only
+    assert _forecast(0.0, 1.0, 2.0, 10.0).step_s() == 8.0
+    f = _forecast(0.0, 50.0, *[float(t) for t in range(100, 110)])
+    assert len(f.ships) == 9  # the recent intervals only: the 50 s ones are forgotten
     assert f.step_s() == 1.0
 
 
