@@ -139,8 +139,9 @@ class Instance:
     queue_depth: int = 0
     tokens_per_s: float = 0.0
     busy_s: float = 0.0
-    progress: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Group id -> tokens generated so far, from its last heartbeat (``Heartbeat.progress``)."""
+    progress: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Group id -> (oldest token version, tokens so far), from its last heartbeat
+    (``Heartbeat.progress``; malformed entries left out)."""
 
 
 class SchedulerService(DaemonCore):
@@ -344,18 +345,17 @@ class SchedulerService(DaemonCore):
         inst = self._see(cmd.instance, cmd.session, cmd.weight_version)
         inst.running_groups, inst.queue_depth = cmd.running_groups, cmd.queue_depth
         inst.tokens_per_s, inst.busy_s = cmd.tokens_per_s, cmd.busy_s
-        if isinstance(cmd.progress, dict):
-            inst.progress = {
-                str(g): f[1]
-                for g, f in cmd.progress.items()
-                if isinstance(f, list) and len(f) == 2 and isinstance(f[1], int)
-            }
+        inst.progress = {
+            str(g): (f[0], f[1])
+            for g, f in (cmd.progress.items() if isinstance(cmd.progress, dict) else ())
+            if isinstance(f, list) and len(f) == 2 and all(isinstance(x, int) for x in f)
+        }
         benched = bool(self.stragglers.benched_for(inst.name, self.monotonic()))
         self.metrics.instance_seen(inst.name, inst.weight_version, not benched)
         if cmd.reports_held and isinstance(cmd.held, list):
             self._requeue_not_held(cmd.instance, cmd.session, cmd.held)
         self._judge(inst)
-        doomed = self._doomed(cmd)
+        doomed = self._doomed(inst)
         if doomed:
             aborted = self.store.requeue_doomed(cmd.instance, cmd.session, doomed)
             if aborted:
@@ -368,10 +368,11 @@ class SchedulerService(DaemonCore):
                 return Beat(abort=aborted)
         return Ok()
 
-    def _doomed(self, cmd: Heartbeat) -> dict[str, int]:
-        """Held groups (``Heartbeat.progress``) whose oldest token is already over the lag bound
-        behind the trainer: group id -> tokens so far. Their lag only grows until they ship,
-        where they would be dropped; stopping them now saves what they would still generate."""
+    def _doomed(self, inst: Instance) -> dict[str, int]:
+        """Held groups (its heartbeat's ``progress``) whose oldest token is already over the
+        lag bound behind the trainer: group id -> tokens so far. Their lag only grows until
+        they ship, where they would be dropped; stopping them now saves what they would still
+        generate."""
         tv, bound = self.trainer_version, self.config.max_policy_lag_steps
         if self.config.lag_rule == "partial":
             # A group goes on under the new weights (its newest token is current), unless its
@@ -379,16 +380,14 @@ class SchedulerService(DaemonCore):
             if self.config.max_token_lag_steps is None:
                 return {}
             bound = self.config.max_token_lag_steps
-        if tv is None or not isinstance(cmd.progress, dict):
+        if tv is None:
             return {}
-        out: dict[str, int] = {}
-        for gid, figures in cmd.progress.items():
-            if is_eval_group(str(gid)) or not isinstance(figures, list) or len(figures) != 2:
-                continue  # eval groups are never trained: no lag bound applies to them
-            oldest, tokens = figures
-            if isinstance(oldest, int) and isinstance(tokens, int) and tv - oldest > bound:
-                out[str(gid)] = tokens
-        return out
+        # Eval groups are never trained: no lag bound applies to them.
+        return {
+            gid: tokens
+            for gid, (oldest, tokens) in inst.progress.items()
+            if not is_eval_group(gid) and tv - oldest > bound
+        }
 
     def _judge(self, inst: Instance) -> None:
         """Bench ``inst`` if it straggles (deltarl/scheduler/stragglers.py)."""
@@ -497,7 +496,7 @@ class SchedulerService(DaemonCore):
                 if inst is not None and inst.running_groups > 0
                 else 0.0
             )
-            done = inst.progress.get(g.group_id, 0) if inst is not None else 0
+            done = inst.progress.get(g.group_id, (0, 0))[1] if inst is not None else 0
             out.append(InFlight(self.predicted_tokens(g.prompt_id), done, rate))
         return out
 
