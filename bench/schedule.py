@@ -313,10 +313,12 @@ def main(argv: list[str] | None = None) -> int:
 
         # Measured where the real runs' engines run, as many as share those CPUs; without
         # --real, one engine as this process may run it.
-        cpus, engines = engine_cpus(args.real_cpus, args.real_rollouts) if args.real else (None, 1)
         try:
+            cpus, engines = (
+                engine_cpus(args.real_cpus, args.real_rollouts) if args.real else (None, 1)
+            )
             cost, calibration = calibrate_placed(args.model_dir, cpus, engines)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
+        except (ValueError, RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"deltarl bench schedule: {e}", file=sys.stderr)
             return 1
         write_atomic(args.calibrate, orjson.dumps(dataclasses.asdict(cost)))

@@ -37,7 +37,7 @@ import orjson
 from deltarl.ops.placement import parse_cpu_list
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.sim.schedule_model import POLICIES, CostModel, PromptGroup, Workload, run_policy
-from deltarl.up import auto_cpus, rollout_names
+from deltarl.up import cpu_placement, rollout_names
 
 GROUPS_PER_STEP = 8  # the tiny profile's (deltarl/up_models.py)
 REAL_TASKS: dict[str, tuple[str, ...]] = {
@@ -52,19 +52,10 @@ REAL_TASKS: dict[str, tuple[str, ...]] = {
 
 def engine_cpus(cpus: Sequence[str], rollouts: int) -> tuple[str | None, int]:
     """Where the real runs' first engine runs (a cpu list; None: unpinned, on every CPU) and
-    how many of their engines run on CPUs it runs on: ``deltarl up``'s own placement when
-    ``cpus`` is empty, nothing pinned for ``none``, else the ``--cpus`` items' (``rollout=``:
-    every engine; ``rollout-2=``: that one)."""
+    how many of their engines run on CPUs it runs on, by ``deltarl up``'s own reading of the
+    ``--cpus`` items (``up.cpu_placement``; ValueError for a bad one)."""
     names = rollout_names(rollouts)
-    placed: dict[str, str] = {}
-    if not cpus:
-        placed = auto_cpus(os.sched_getaffinity(0), names)
-    elif "none" not in cpus:
-        for item in cpus:
-            daemon, _, text = item.partition("=")
-            for name in names if daemon == "rollout" else [daemon]:
-                if name in names:
-                    placed[name] = text
+    placed = cpu_placement(cpus, rollouts)
     every = frozenset(os.sched_getaffinity(0))
 
     def on(name: str) -> frozenset[int]:

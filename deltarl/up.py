@@ -60,7 +60,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -422,33 +422,42 @@ def auto_cpus(cpus: Iterable[int], rollouts: list[str]) -> dict[str, str]:
     return {"trainer": training, **dict.fromkeys(rollouts, generation)}
 
 
-def _cpus(ap: argparse.ArgumentParser, items: list[str], rollouts: int) -> dict[str, str]:
+def cpu_placement(items: Sequence[str], rollouts: int) -> dict[str, str]:
     """``--cpus`` as daemon name -> cpu list: none given, ``auto_cpus`` over this process's
     CPUs; ``none``, nothing pinned; else each ``DAEMON=LIST`` (``rollout``: every rollout
-    daemon; a later item for the same daemon wins), and only those."""
+    daemon; a later item for the same daemon wins), and only those. ValueError saying what is
+    wrong with an item."""
     names = [d for d in ORDER if d != "rollout"]
     rollouts_named = rollout_names(rollouts)
     if not items:
         return auto_cpus(os.sched_getaffinity(0), rollouts_named)
     if "none" in items:
-        if items != ["none"]:
-            ap.error("--cpus none pins nothing: it takes no DAEMON=LIST beside it")
+        if list(items) != ["none"]:
+            raise ValueError("--cpus none pins nothing: it takes no DAEMON=LIST beside it")
         return {}
     out: dict[str, str] = {}
     for item in items:
         daemon, eq, cpus = item.partition("=")
         if not eq or daemon not in [*names, *rollouts_named]:
-            ap.error(
+            raise ValueError(
                 f"--cpus takes DAEMON=LIST with DAEMON one of "
                 f"{', '.join([*names, *rollouts_named])}, got {item!r}"
             )
         try:
             parse_cpu_list(cpus)
         except ValueError as e:
-            ap.error(f"--cpus {item!r}: {e}")
+            raise ValueError(f"--cpus {item!r}: {e}") from None
         for name in rollouts_named if daemon == "rollout" else [daemon]:
             out[name] = cpus
     return out
+
+
+def _cpus(ap: argparse.ArgumentParser, items: list[str], rollouts: int) -> dict[str, str]:
+    """``cpu_placement``, its errors as the parser's."""
+    try:
+        return cpu_placement(items, rollouts)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def _recorded(run: Run, step: int) -> bool:
