@@ -31,7 +31,9 @@ Added to the object: ``counters`` (every drop, requeue and lag action with its r
 ``eval_curve`` (every held-out round), ``reward_curve`` (the mean reward of every step),
 ``step_time`` (where a step's time goes: wall, train, publish, wait for samples, a group's
 generation and scoring, refit; medians), ``rollouts`` and ``engines`` (per rollout daemon:
-versions applied, refit median, bit-exact, groups and tokens generated), ``lag_rule``
+versions applied, refit median, bit-exact, groups and tokens generated, busy seconds, and
+``steps``: the engine steps and the seconds of the rounds that ran them, ``StepTally``),
+``lag_rule``
 (``--lag-rule``: which token of a group its lag is measured from), ``token_lag_mean`` and
 ``over_bound_token_ratio`` (the trained tokens' mean age in versions and the share of them
 over the bound, token-weighted over the run: ``deltarl/scheduler/token_lag.py``),

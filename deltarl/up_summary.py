@@ -231,6 +231,8 @@ def summarise(run: Run) -> dict[str, Any]:
                 "submitted_groups": int(st.get("submitted_groups") or 0),
                 "generated_tokens": int(st.get("generated_tokens") or 0),
                 "busy_s": float(st.get("busy_s") or 0.0),
+                # StepTally's sums: what the bench's model prices these steps at
+                "steps": st.get("steps") or {},
                 "prefix_cache_hit_rate": (st.get("prefix_cache") or {}).get("hit_rate"),
             }
             for name, st in engines.items()

@@ -269,6 +269,12 @@ def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
         assert e["versions_applied"] == sorted(e["versions_applied"])
         assert len(e["versions_applied"]) >= steps // 2, e
         assert e["busy_s"] > 0, e
+        # the stepping rounds the bench prices: each holds its step, and at least one sequence
+        tally = e["steps"]
+        assert tally["count"] > 0, e
+        assert tally["seqs"] >= tally["count"], e
+        assert tally["context_tokens"] > tally["seqs"], e  # each has a prompt
+        assert tally["round_s"] >= e["busy_s"] - 1e-3, e
     busy = [e["busy_s"] for e in engines.values()]
     assert result["skewness"] == pytest.approx(max(busy) / (sum(busy) / 2), abs=1e-3)
     # per step, from the busy seconds the scheduler recorded with each step

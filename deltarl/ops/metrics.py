@@ -261,6 +261,13 @@ ROLLOUT_BUSY_SECONDS = Counter(
     " instances is the skewness)",
     registry=None,
 )
+ROLLOUT_ROUND_SECONDS = Counter(
+    "deltarl_rollout_stepping_round_seconds",
+    "Rollout: seconds of the daemon's rounds that ran an engine step (the step, the daemon's"
+    " own work and round trips around it, and CPU contention); busy seconds over these is"
+    " the share of the daemon's working time spent in the engine",
+    registry=None,
+)
 ROLLOUT_TOKENS = Counter(
     "deltarl_rollout_tokens",
     "Rollout: tokens of finished groups, by kind (completion; prompt; prompt_cached: prompt"
@@ -327,7 +334,7 @@ OWNED: dict[str, tuple[Collector, ...]] = {
         INSTANCE_VERSION,
         INSTANCES_REMOVED,
     ),
-    "rollout": (ROLLOUT_BUSY_SECONDS, ROLLOUT_TOKENS),
+    "rollout": (ROLLOUT_BUSY_SECONDS, ROLLOUT_ROUND_SECONDS, ROLLOUT_TOKENS),
     "trainer": (TRAIN_STEP_SECONDS, TRAIN_LOSS, TRAIN_GRAD_NORM),
 }
 """Which families each daemon serves. The metric objects exist in every process (the code

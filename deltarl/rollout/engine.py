@@ -418,6 +418,13 @@ class VllmEngine:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def occupancy(self) -> tuple[int, int]:
+        """The sequences the next step runs and their context tokens (prompt and tokens so
+        far; a request not yet prefilled counts none): what a decode step's cost depends on
+        (``deltarl.sim.schedule_model.CostModel``)."""
+        reqs = self._requests.values()
+        return len(reqs), sum(len(r.prompt_token_ids) + len(r.token_ids) for r in reqs)
+
     def add_group(self, group_id: str, prompt: str, n: int, sampling: dict[str, Any]) -> None:
         """Queue ``n`` samples of ``prompt``; they come back together from ``step``.
 

@@ -207,6 +207,7 @@ def test_prometheus_scrapes_a_running_pipeline(
             "deltarl_samples_total",
             "deltarl_train_step_seconds_count",
             "deltarl_rollout_busy_seconds_total",
+            "deltarl_rollout_stepping_round_seconds_total",
             'deltarl_rollout_tokens_total{kind="completion"}',
             "deltarl_reward_seconds_count",
             'deltarl_instance_healthy{rollout="rollout"}',

@@ -11,6 +11,7 @@ digest under the lease it loads from.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -155,3 +156,78 @@ max_running_groups = 2
     assert st["weight_version"] == 2
     assert st["verified"] == 1
     assert [r["verified"] for r in st["refits"]] == [False, True]
+
+
+def test_a_submit_waiting_on_the_reward_service_does_not_hold_the_engine(tmp_path: Path) -> None:
+    """The injected fault: the scheduler answers one group's submit "reward unavailable" (its
+    reward service is out), again and again. The submit waits and is sent again, in a task of
+    its own: the engine goes on generating, and the other group, a longer one, is generated
+    and submitted meanwhile. With the submits between steps, every retry held the engine."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from deltarl.config.rl import RolloutConfig  # noqa: PLC0415
+    from deltarl.engine.daemon import DaemonContext  # noqa: PLC0415
+    from deltarl.reward.protocol import REWARD_UNAVAILABLE  # noqa: PLC0415
+    from deltarl.rl.protocol import GetWork, SubmitGroup, Work  # noqa: PLC0415
+    from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415
+    from deltarl.rollout.service import RolloutService  # noqa: PLC0415
+    from deltarl.transport.blobs import blob_digest  # noqa: PLC0415
+    from deltarl.transport.messages import Command, Error, Ok, Reply  # noqa: PLC0415
+
+    model_dir = ensure_default_model(tmp_path / "models")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _publish(model, tmp_path, 1, None)
+
+    def group(gid: str, length: int) -> dict[str, Any]:
+        sampling = {"max_tokens": 64, "seed": 1, "lengths": [length, length]}
+        return {"group_id": gid, "prompt_id": 0, "prompt": "two and two", "n": 2,
+                "sampling": sampling}  # fmt: skip
+
+    submits: list[str] = []
+    issued = False
+
+    async def scheduler(command: Command, timeout_s: float) -> Reply:
+        nonlocal issued
+        if isinstance(command, GetWork):
+            if issued:
+                return Work([], wait_s=0.05, reason="nothing more in this test")
+            issued = True
+            return Work([group("short", 2), group("long", 48)])
+        if isinstance(command, SubmitGroup):
+            submits.append(command.group_id)
+            if command.group_id == "short":
+                return Error(REWARD_UNAVAILABLE, "the reward service is out (injected)")
+        return Ok()
+
+    async def put(data: bytes, timeout_s: float) -> str:
+        return blob_digest(data)
+
+    async def scenario() -> None:
+        config = RolloutConfig(
+            control=f"ipc://{tmp_path}/rollout.sock",
+            scheduler=f"ipc://{tmp_path}/scheduler.sock",
+            rollout_store="rollout",
+            store_root=tmp_path,
+            model_dir=model_dir,
+            idle_s=0.01,
+        )
+        service = RolloutService(config, scheduler, DaemonContext("rollout"), put)
+        run = asyncio.create_task(service.run())
+        try:
+            async with asyncio.timeout(240):
+                while service.submitted_groups == 0:
+                    if run.done():
+                        run.result()  # the daemon failed: say why
+                    await asyncio.sleep(0.05)
+            assert submits.count("long") == 1
+            assert submits.count("short") >= 1
+            assert service.submitting == {"short"}  # still held, its submit still waiting
+            assert not service.in_flight
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await service.close()
+        assert not service._submits  # the waiting submit was cancelled with the close
+
+    asyncio.run(scenario())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from deltarl.config.rl import RolloutConfig
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import Heartbeat, SubmitGroup
@@ -222,6 +224,25 @@ def test_status_fields_say_what_the_core_does(tmp_path: Path) -> None:
         fields = service.status_fields()
         assert fields["instance"] == "rollout"
         assert fields["detail"] == "starting"
+        await service.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_submit_beside_the_steps_that_fails_stops_the_loop(tmp_path: Path) -> None:
+    # The injected fault: the samples endpoint raises what no retry handles (a bug). The
+    # submit runs in a task of its own; the daemon's next round raises it, as the submit
+    # did when it ran between steps.
+    async def scenario() -> None:
+        service = _service(Scheduler(), tmp_path, Samples(RuntimeError("a bug in the put")))
+        service.in_flight["1.0"] = 0.0
+        service._submit_beside("1.0", [SAMPLE])
+        assert service.submitting == {"1.0"}  # counted as submitting at once
+        assert not service.in_flight
+        while service._submits:  # noqa: ASYNC110 - the task's end has no event of its own
+            await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="a bug in the put"):
+            await service._one_round()
         await service.close()
 
     asyncio.run(scenario())
