@@ -29,9 +29,11 @@ tail: the drain of a finite dataset, when an idle instance has nothing left to t
 last long groups finish. The default workload (``DEFAULT_PROMPTS``) is therefore 128 steps long,
 a short RL run, not 16 steps: there the drain is a few percent of the run, not a third.
 ``real``: the same policies on the real rollout daemons (``--real``), the same M for each plus
-``model_error``; null without ``--real``. With ``--calibrate``, ``calibration``: the decode
-fit's R^2 and points, and ``placement`` (``cpus``, ``engines_sharing``): where the engine was
-measured and how many engines the cost model takes to share those CPUs.
+``model_error``, and ``model_error_in_situ`` with ``in_situ`` (the cost model's error on
+the engines' steps as the daemons ran them, and the model's error once that is corrected:
+``bench/schedule_real.py``); null without ``--real``. With ``--calibrate``, ``calibration``:
+the decode fit's R^2 and points, and ``placement`` (``cpus``, ``engines_sharing``): where the
+engine was measured and how many engines the cost model takes to share those CPUs.
 """
 
 from __future__ import annotations
@@ -157,14 +159,22 @@ def render(result: dict[str, Any]) -> str:
             lines.append(
                 f"  {name:<16}{m['throughput_tok_s']:>12.0f}{m['padding_ratio']:>10.3f}"
                 f"{m['skewness']:>10.3f}{m['sorting_wait']:>14.3f}{m['wasted_tokens_ratio']:>9.3f}"
-                f"   (model: {real['model_throughput_tok_s'][name]:.0f})"
+                f"   (model: {real['model_throughput_tok_s'][name]:.0f}, "
+                f"in situ {real['in_situ']['model_throughput_tok_s'][name]:.0f})"
             )
         lines.append(
             f"  deltarl: {real['speedup_vs_sync']:.2f}x sync, "
             f"{real['speedup_vs_least_requests']:.3f}x least_requests; model error "
-            f"{real['model_error']:.1%}"
+            f"{real['model_error']:.1%}, in situ {real['model_error_in_situ']:.1%} (the "
+            f"daemons' stepping rounds took {_factors(real)} what the cost model prices "
+            "their steps at)"
         )
     return "\n".join(lines)
+
+
+def _factors(real: dict[str, Any]) -> str:
+    factors = real["in_situ"]["factor"].values()
+    return "/".join("-" if f is None else f"{f:.2f}x" for f in factors)
 
 
 def _trace(path: Path) -> Workload:

@@ -135,11 +135,10 @@ def _calibrate(model_dir: Path | None) -> tuple[CostModel, dict[str, Any]]:
             engine.add_group(f"decode-{k}", _prompt(32), n, sampling)
             engine.step()  # prefill and the first token of every sequence
             while engine.has_work():
-                reqs = list(engine._requests.values())
-                ctx = sum(len(r.prompt_token_ids) + len(r.token_ids) for r in reqs)
+                seqs, ctx = engine.occupancy()
                 started = time.perf_counter()
                 engine.step()
-                points.append((len(reqs), float(ctx), time.perf_counter() - started))
+                points.append((seqs, float(ctx), time.perf_counter() - started))
         for k, tokens in enumerate(PROMPTS):
             engine.add_group(f"prefill-{k}", _prompt(tokens), 1, {**sampling, "max_tokens": 1})
             started = time.perf_counter()

@@ -14,6 +14,13 @@ directory of its own. From each run:
   replayed through the model with the run's measured training step and refit times on as many
   instances, for the same policy. ``model_error`` is the mean over the policies of |predicted
   - real| / real throughput.
+- the engines' steps as the daemons ran them (``StepTally`` in each engine's status): the
+  seconds of the rounds that stepped, against what the cost model prices those same steps at.
+  Their ratio (``in_situ.factor``) is what the cost model misses: the round trips to the
+  scheduler, the daemon's own work, and whatever else shares the engines' CPUs.
+  ``model_error_in_situ`` is the model's error when each run is replayed with the cost model
+  scaled by the ratio measured on the *other* policies' runs (so no run predicts itself): how
+  far the model's dynamics are, once the cost of a step is right.
 
 The default task, ``long_tail``, forces each sample's completion length to a long-tailed
 draw (``deltarl.rl.long_tail``): the tiny model's own completions nearly all run to its
@@ -78,6 +85,21 @@ def up_summary(label: str, *args: str) -> dict[str, Any]:
     return summary
 
 
+def step_seconds(summary: dict[str, Any], cost: CostModel) -> tuple[float, float]:
+    """The run's engines' stepping rounds: their seconds, and what ``cost`` prices their
+    steps at (summed over the engines; ``StepTally``)."""
+    rounds = priced = 0.0
+    for engine in summary.get("engines") or []:
+        steps = engine.get("steps") or {}
+        rounds += float(steps.get("round_s") or 0.0)
+        priced += cost.steps_s(
+            int(steps.get("count") or 0),
+            int(steps.get("seqs") or 0),
+            int(steps.get("context_tokens") or 0),
+        )
+    return rounds, priced
+
+
 def _store(workdir: Path) -> tuple[float, Workload]:
     """Steady-state trained tokens per second, and the run's trace, from its scheduler store."""
     with SchedulerStore(workdir / "scheduler.sqlite", readonly=True) as store:
@@ -111,7 +133,7 @@ def run_real(
     ``cpus``: ``deltarl up --cpus`` items (``trainer=1``), the same for every run."""
     pinning = [a for item in cpus for a in ("--cpus", item)]
     policies: dict[str, dict[str, float]] = {}
-    predicted: dict[str, float] = {}
+    runs: dict[str, tuple[dict[str, Any], Workload]] = {}
     for policy in POLICIES:
         workdir = root / policy
         summary = up_summary(
@@ -121,19 +143,7 @@ def run_real(
             "--lag-rule", lag_rule, *pinning, *REAL_TASKS[task],
         )  # fmt: skip
         real, trace = _store(workdir)
-        times = summary.get("step_time") or {}
-        model = run_policy(
-            policy,
-            trace,
-            cost,
-            rollouts,
-            GROUPS_PER_STEP,
-            float(times.get("train_s") or 0.0) + float(times.get("publish_s") or 0.0),
-            float(summary.get("refit_median_s") or 0.0),
-            lag=lag,
-            lag_rule=lag_rule,
-        )
-        predicted[policy] = model.throughput_tok_s
+        runs[policy] = (summary, trace)
         policies[policy] = {
             "throughput_tok_s": real,
             "padding_ratio": float(summary.get("padding_ratio_median") or 0.0),
@@ -143,6 +153,39 @@ def run_real(
             "token_lag_mean": float(summary.get("token_lag_mean") or 0.0),
             "over_bound_token_ratio": float(summary.get("over_bound_token_ratio") or 0.0),
         }
+
+    def predict(policy: str, cost: CostModel) -> float:
+        summary, trace = runs[policy]
+        times = summary.get("step_time") or {}
+        return run_policy(
+            policy,
+            trace,
+            cost,
+            rollouts,
+            GROUPS_PER_STEP,
+            float(times.get("train_s") or 0.0) + float(times.get("publish_s") or 0.0),
+            float(summary.get("refit_median_s") or 0.0),
+            lag=lag,
+            lag_rule=lag_rule,
+        ).throughput_tok_s
+
+    seconds = {p: step_seconds(runs[p][0], cost) for p in POLICIES}
+
+    def others(policy: str) -> float:
+        """The stepping rounds' seconds over the cost model's, on the other policies' runs."""
+        rest = [seconds[q] for q in POLICIES if q != policy]
+        priced = sum(s for _, s in rest)
+        return sum(r for r, _ in rest) / priced if priced > 0 else 1.0
+
+    predicted = {p: predict(p, cost) for p in POLICIES}
+    in_situ = {p: predict(p, cost.scaled(others(p))) for p in POLICIES}
+
+    def error(model: dict[str, float]) -> float:
+        return statistics.fmean(
+            abs(model[p] - policies[p]["throughput_tok_s"]) / policies[p]["throughput_tok_s"]
+            for p in POLICIES
+        )
+
     ours = policies["deltarl"]["throughput_tok_s"]
     return {
         "workload": f"deltarl up --model tiny {' '.join(REAL_TASKS[task])} ({steps} steps each)",
@@ -150,11 +193,14 @@ def run_real(
         "policies": policies,
         "speedup_vs_sync": ours / policies["sync"]["throughput_tok_s"],
         "speedup_vs_least_requests": ours / policies["least_requests"]["throughput_tok_s"],
-        "model_error": statistics.fmean(
-            abs(predicted[p] - policies[p]["throughput_tok_s"]) / policies[p]["throughput_tok_s"]
-            for p in POLICIES
-        ),
+        "model_error": error(predicted),
         "model_throughput_tok_s": predicted,
+        "model_error_in_situ": error(in_situ),
+        "in_situ": {
+            # each run's own stepping rounds over what the cost model prices their steps at
+            "factor": {p: r / s if s > 0 else None for p, (r, s) in seconds.items()},
+            "model_throughput_tok_s": in_situ,
+        },
         "runs": str(root),
         "cpus": list(cpus),
         "task": task,

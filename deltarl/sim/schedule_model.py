@@ -97,17 +97,27 @@ class CostModel:
         per = self.decode_base_s + self.decode_per_seq_s * seqs
         return k * (per + self.decode_per_kctx_s * mean_ctx / 1000)
 
+    def steps_s(self, count: int, seqs: int, context_tokens: int) -> float:
+        """``count`` decode steps that ran ``seqs`` sequences over ``context_tokens`` of
+        context in all (sums over the steps: the cost is linear in both)."""
+        per_seq = self.decode_per_seq_s * seqs
+        return count * self.decode_base_s + per_seq + self.decode_per_kctx_s * context_tokens / 1000
+
+    def scaled(self, factor: float) -> CostModel:
+        """Every cost ``factor`` times as long."""
+        return dataclasses.replace(
+            self,
+            decode_base_s=self.decode_base_s * factor,
+            decode_per_seq_s=self.decode_per_seq_s * factor,
+            decode_per_kctx_s=self.decode_per_kctx_s * factor,
+            prefill_per_token_s=self.prefill_per_token_s * factor,
+        )
+
     def time_shared(self, engines: int) -> CostModel:
         """This engine's costs when ``engines`` as busy share its CPUs: each step takes that
         many times as long (the real runs of ``bench schedule --real`` pin every engine to
         the same CPUs)."""
-        return dataclasses.replace(
-            self,
-            decode_base_s=self.decode_base_s * engines,
-            decode_per_seq_s=self.decode_per_seq_s * engines,
-            decode_per_kctx_s=self.decode_per_kctx_s * engines,
-            prefill_per_token_s=self.prefill_per_token_s * engines,
-        )
+        return self.scaled(engines)
 
 
 @dataclass(frozen=True)

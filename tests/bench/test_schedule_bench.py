@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 from deltarl.bench.schedule import DEFAULT_PROMPTS
-from deltarl.bench.schedule_real import engine_cpus
+from deltarl.bench.schedule_real import engine_cpus, step_seconds
 
 from deltarl.config.rl import SchedulerConfig
 from deltarl.scheduler.policy import PredictedWait
@@ -291,6 +291,30 @@ def test_a_calibration_is_taken_where_the_real_runs_engines_run() -> None:
     assert shared.prefill_per_token_s == pytest.approx(0.006)
     assert shared.max_seqs == 48
     assert cost.time_shared(1) == cost
+
+
+def test_the_steps_an_engine_ran_are_priced_from_their_sums() -> None:
+    """``steps_s`` prices steps from the sums a rollout daemon keeps (``StepTally``): the same
+    seconds as the model's own ``steps_time`` for the same steps; ``step_seconds`` sets them
+    against the rounds' seconds, summed over a run's engines."""
+    cost = CostModel(decode_base_s=0.01, decode_per_seq_s=0.001, decode_per_kctx_s=0.0001,
+                     prefill_per_token_s=0.002, max_seqs=48)  # fmt: skip
+    k, seqs, ctx = 7, 5, 300
+    context = sum(ctx + seqs * i for i in range(k))  # each step adds a token to every sequence
+    assert cost.steps_s(k, k * seqs, context) == pytest.approx(cost.steps_time(k, seqs, ctx))
+    assert cost.scaled(2.5).steps_s(k, k * seqs, context) == pytest.approx(
+        2.5 * cost.steps_s(k, k * seqs, context)
+    )
+    summary = {
+        "engines": [
+            {"steps": {"count": k, "seqs": k * seqs, "context_tokens": context, "round_s": 1.5}},
+            {"steps": {"count": 2, "seqs": 2, "context_tokens": 80, "round_s": 0.25}},
+            {"name": "one that never stepped"},
+        ]
+    }
+    rounds, priced = step_seconds(summary, cost)
+    assert rounds == pytest.approx(1.75)
+    assert priced == pytest.approx(cost.steps_time(k, seqs, ctx) + 2 * 0.011 + 0.0001 * 80 / 1000)
 
 
 def test_the_lag_rule_reaches_the_json() -> None:

@@ -78,7 +78,7 @@ def test_the_real_half_runs_each_policy_on_the_daemons_and_measures_the_models_e
     (line,) = proc.stdout.strip().splitlines()
     real = orjson.loads(line)["real"]
     assert {"workload", "instances", "policies", "speedup_vs_sync", "speedup_vs_least_requests",
-            "model_error"} <= set(real)  # fmt: skip
+            "model_error", "model_error_in_situ", "in_situ"} <= set(real)  # fmt: skip
     assert set(real["policies"]) == {"sync", "least_requests", "deltarl"}
     assert real["cpus"] == [f"trainer={trainer}", f"rollout={rollout}"]
     assert real["task"] == "long_tail"  # the default: lengths forced, long-tailed
@@ -92,6 +92,11 @@ def test_the_real_half_runs_each_policy_on_the_daemons_and_measures_the_models_e
         assert f"pinned to CPUs {trainer}" in (run / "trainer.log").read_text()
         assert f"pinned to CPUs {rollout}" in (run / "rollout.log").read_text()
     assert real["model_error"] >= 0
+    assert real["model_error_in_situ"] >= 0
+    for policy, factor in real["in_situ"]["factor"].items():
+        assert factor is not None, policy  # each run's engines stepped
+        assert factor > 0, policy
+        assert real["in_situ"]["model_throughput_tok_s"][policy] > 0
 
 
 @pytest.mark.slow
