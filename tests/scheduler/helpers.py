@@ -9,6 +9,7 @@ from typing import Any
 from deltarl.config.rl import SchedulerConfig
 from deltarl.rl.protocol import GetWork, Heartbeat, SubmitGroup, Work
 from deltarl.rl.samples import Group, Sample, encode_group
+from deltarl.rl.task import RepeatLetter
 from deltarl.scheduler.rows import parse_group_id
 from deltarl.scheduler.service import SchedulerService
 from deltarl.scheduler.store import SchedulerStore
@@ -99,3 +100,44 @@ async def submit_all(
         )
         for g in w.groups
     ]
+
+
+LETTER_LENGTHS = {"a": 100, "b": 10, "c": 50, "d": 20}
+"""Completion tokens of every sample of each letter's prompt (``RepeatLetter``), as
+``generate_letters`` submits them."""
+
+
+def letter_of(prompt: str) -> str:
+    """The letter a ``RepeatLetter`` prompt asks for."""
+    return prompt.removeprefix(RepeatLetter.TEMPLATE.partition("{}")[0])[0]
+
+
+def samples_of_length(item: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
+    """A Work item's samples, each ``tokens`` long."""
+    return [
+        {
+            "prompt_token_ids": [1, 2, 3],
+            "token_ids": [5] * tokens,
+            "logprobs": [-1.0] * tokens,
+            "token_versions": [0] * tokens,
+            "text": "x" * tokens,
+            "finish_reason": "length",
+        }
+        for _ in range(item["n"])
+    ]
+
+
+async def generate_letters(
+    svc: SchedulerService, instance: str, groups: int
+) -> list[dict[str, Any]]:
+    """One GetWork of ``groups`` from ``instance``, each submitted at its letter's length
+    (``LETTER_LENGTHS``)."""
+    await svc.heartbeat(Heartbeat(instance, "s", weight_version=0, tokens_per_s=10.0))
+    reply = await svc.get_work(GetWork(instance, "s", max_groups=groups, weight_version=0))
+    assert isinstance(reply, Work), reply
+    for g in reply.groups:
+        tokens = LETTER_LENGTHS[letter_of(g["prompt"])]
+        await svc.submit_group(
+            submission(svc, instance, "s", g["group_id"], samples_of_length(g, tokens))
+        )
+    return list(reply.groups)

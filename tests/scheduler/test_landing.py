@@ -12,8 +12,7 @@ import pytest
 from deltarl.rl.protocol import GetWork, Heartbeat, StepDone, TakeBatch, Work
 from deltarl.scheduler.landing import EARLY, InFlight, LandingForecast
 from deltarl.scheduler.length_predictor import MIN_FIT_ROWS
-from tests.scheduler.helpers import make_service
-from tests.scheduler.test_run_lengths import _generate
+from tests.scheduler.helpers import generate_letters, make_service
 
 
 def _forecast(*ships: float) -> LandingForecast:
@@ -96,7 +95,7 @@ def test_long_groups_in_flight_hold_no_places_under_partial(
             lookahead=8,
         )
         for _ in range(MIN_FIT_ROWS // 4):  # the run's own lengths: the fit predicts
-            await _generate(svc, "a", 4)
+            await generate_letters(svc, "a", 4)
         for step in range(1, MIN_FIT_ROWS // 2 + 1):  # one step a second
             clock.advance(1.0)
             assert len((await svc.take_batch(TakeBatch(step, 2, trainer_version=0))).groups) == 2

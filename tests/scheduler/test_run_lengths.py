@@ -26,41 +26,9 @@ from deltarl.scheduler.length_predictor import (
 from deltarl.scheduler.plan import build_plan
 from deltarl.scheduler.plan_view import PlannedTask
 from deltarl.scheduler.run_lengths import DISPATCHED_KEPT, RunLengths, forced_lengths
-from deltarl.scheduler.service import SchedulerService
-from tests.scheduler.helpers import make_service, submission
+from tests.scheduler.helpers import LETTER_LENGTHS, generate_letters, letter_of, make_service
 
 TASK = RepeatLetter()
-LENGTHS = {"a": 100, "b": 10, "c": 50, "d": 20}
-"""Completion tokens of every sample of each letter's prompt (RepeatLetter)."""
-
-
-def _letter(prompt: str) -> str:
-    return prompt.removeprefix(RepeatLetter.TEMPLATE.partition("{}")[0])[0]
-
-
-def _samples(item: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "prompt_token_ids": [1, 2, 3],
-            "token_ids": [5] * tokens,
-            "logprobs": [-1.0] * tokens,
-            "token_versions": [0] * tokens,
-            "text": "x" * tokens,
-            "finish_reason": "length",
-        }
-        for _ in range(item["n"])
-    ]
-
-
-async def _generate(svc: SchedulerService, instance: str, groups: int) -> list[dict[str, Any]]:
-    """One GetWork of ``groups`` from ``instance``, each submitted at its letter's length."""
-    await svc.heartbeat(Heartbeat(instance, "s", weight_version=0, tokens_per_s=10.0))
-    reply = await svc.get_work(GetWork(instance, "s", max_groups=groups, weight_version=0))
-    assert isinstance(reply, Work), reply
-    for g in reply.groups:
-        tokens = LENGTHS[_letter(g["prompt"])]
-        await svc.submit_group(submission(svc, instance, "s", g["group_id"], _samples(g, tokens)))
-    return list(reply.groups)
 
 
 def test_the_incremental_predictor_fits_what_a_batch_ridge_fits():
@@ -100,16 +68,16 @@ def test_without_a_plan_deltarl_predicts_from_the_runs_own_lengths(tmp_path: Pat
         assert svc.run_lengths is not None
         for _ in range(MIN_FIT_ROWS // 4):
             assert svc.predicted_tokens(store.cursor) is None
-            await _generate(svc, "a", 4)
+            await generate_letters(svc, "a", 4)
         prompts = {p: TASK.prompt(p) for p in range(store.cursor, store.cursor + 8)}
         for p, text in prompts.items():
-            assert svc.predicted_tokens(p) == pytest.approx(4 * LENGTHS[_letter(text)])
+            assert svc.predicted_tokens(p) == pytest.approx(4 * LETTER_LENGTHS[letter_of(text)])
         # Of the window, the asker gets the longest predicted first.
-        (first,) = await _generate(svc, "a", 1)
-        longest = max(LENGTHS[_letter(t)] for t in prompts.values())
-        assert LENGTHS[_letter(first["prompt"])] == longest
+        (first,) = await generate_letters(svc, "a", 1)
+        longest = max(LETTER_LENGTHS[letter_of(t)] for t in prompts.values())
+        assert LETTER_LENGTHS[letter_of(first["prompt"])] == longest
         # The groups issued after the fit carry their prediction into their step's error.
-        await _generate(svc, "a", 3)
+        await generate_letters(svc, "a", 3)
         for step in range(1, 11):  # 20 groups pooled, in pool order
             await svc.take_batch(TakeBatch(step, 2, trainer_version=0))
         rows = store.history()
@@ -119,7 +87,10 @@ def test_without_a_plan_deltarl_predicts_from_the_runs_own_lengths(tmp_path: Pat
         again, store2, _ = make_service(tmp_path, policy="deltarl", pool_capacity=64)
         assert again.run_lengths is not None
         assert again.run_lengths.predictor.records == MIN_FIT_ROWS + 4
-        assert again.predicted_tokens(0) == pytest.approx(4 * LENGTHS[_letter(TASK.prompt(0))])
+        first_prompt = TASK.prompt(0)
+        assert again.predicted_tokens(0) == pytest.approx(
+            4 * LETTER_LENGTHS[letter_of(first_prompt)]
+        )
         store2.close()
 
     asyncio.run(go())
