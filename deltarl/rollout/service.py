@@ -24,10 +24,12 @@ trained 1.09-1.30x the tokens per second in two pairs of runs (``least_requests`
 0.97-1.06x: on one shared core the CPU, not the waiting, bounds it).
 
 A heartbeat task reports health (version, groups in flight, queue depth, tokens/s, the groups
-held) every ``heartbeat_s``; the scheduler requeues the groups of an instance that misses them,
-and of a restarted one (``session`` is new at every start). Draining stops GetWork and lets the
-groups in flight finish; what is unfinished when the daemon stops is handed back (a heartbeat
-that holds nothing) so the scheduler requeues it at once.
+held) every ``heartbeat_s``, and at once after each refit (the scheduler's answer names the
+groups the new version dooms, to be stopped); the scheduler requeues the groups of an
+instance that misses them, and of a restarted one (``session`` is new at every start).
+Draining stops GetWork and lets the groups in flight finish; what is unfinished when the
+daemon stops is handed back (a heartbeat that holds nothing) so the scheduler requeues it at
+once.
 
 Invariant: ``engine_version`` is the version whose weights every token generated since the
 last update came from; the engine tags each token with it (``token_versions``).
@@ -36,6 +38,7 @@ last update came from; the engine tags each token with it (``token_versions``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -150,6 +153,10 @@ class RolloutService(DaemonCore):
         self.revoked_loads = 0  # loads the apply agent revoked: this engine fell behind
         self.busy_s = 0.0  # seconds in engine steps: seed 000's busy time of an instance
         self.steps = StepTally()
+        # Set by a refit: the next heartbeat goes at once, not up to heartbeat_s later. A new
+        # version is when the scheduler finds groups doomed (their oldest token now over the
+        # bound), and each step they run on until it answers is wasted.
+        self._beat_now = asyncio.Event()
         self._submits: set[asyncio.Task[None]] = set()  # running beside the engine's steps
         self._submit_failure: BaseException | None = None  # a submit task's bug, re-raised
         self.failed_groups = 0
@@ -197,6 +204,7 @@ class RolloutService(DaemonCore):
         active = self.store.active_version
         if active is not None and active != self.engine_version:
             await self._refit(active)
+            self._beat_now.set()
             if self.engine_version is None:
                 # What the engine holds is unknown (a failed or revoked load): not one step
                 # on it, not even for the groups in flight; the next round loads again.
@@ -563,7 +571,9 @@ class RolloutService(DaemonCore):
             if isinstance(reply, Beat) and reply.abort:
                 await self._abort([str(g) for g in reply.abort])
             self.context.notifier.status(f"{self.activity}; version {self.engine_version}")
-            await asyncio.sleep(self.config.heartbeat_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.config.heartbeat_s)
+            self._beat_now.clear()
 
     # -- what the runtime asks -------------------------------------------------------------
 

@@ -231,3 +231,62 @@ def test_a_submit_waiting_on_the_reward_service_does_not_hold_the_engine(tmp_pat
         assert not service._submits  # the waiting submit was cancelled with the close
 
     asyncio.run(scenario())
+
+
+def test_a_refit_sends_a_heartbeat_at_once(tmp_path: Path) -> None:
+    """A new version is when the scheduler finds groups doomed, and they run on until a
+    heartbeat's answer names them: after each refit the daemon beats at once, not a whole
+    ``heartbeat_s`` (here 60 s) later."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from deltarl.config.rl import RolloutConfig  # noqa: PLC0415
+    from deltarl.engine.daemon import DaemonContext  # noqa: PLC0415
+    from deltarl.rl.protocol import Heartbeat, Work  # noqa: PLC0415
+    from deltarl.rl.tiny_model import ensure_default_model  # noqa: PLC0415
+    from deltarl.rollout.service import RolloutService  # noqa: PLC0415
+    from deltarl.transport.messages import Command, Ok, Reply  # noqa: PLC0415
+
+    model_dir = ensure_default_model(tmp_path / "models")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _publish(model, tmp_path, 1, None)
+    beats: list[int | None] = []  # the engine version of each heartbeat
+
+    async def scheduler(command: Command, timeout_s: float) -> Reply:
+        if isinstance(command, Heartbeat):
+            beats.append(command.weight_version)
+            return Ok()
+        return Work([], wait_s=0.05, reason="nothing in this test")
+
+    async def until(what: str, cond: Callable[[], bool], run: asyncio.Task[None]) -> None:
+        try:
+            async with asyncio.timeout(30):
+                while not cond():
+                    if run.done():
+                        run.result()  # the daemon failed: say why
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(f"no {what} within 30 s: heartbeats at {beats}") from None
+
+    async def scenario() -> None:
+        config = RolloutConfig(
+            control=f"ipc://{tmp_path}/rollout.sock",
+            scheduler=f"ipc://{tmp_path}/scheduler.sock",
+            rollout_store="rollout",
+            store_root=tmp_path,
+            model_dir=model_dir,
+            heartbeat_s=60.0,
+        )
+        service = RolloutService(config, scheduler, DaemonContext("rollout"))
+        run = asyncio.create_task(service.run())
+        try:
+            await until("the first heartbeat", lambda: beats == [1], run)
+            _publish(model, tmp_path, 2, None)
+            await until("a heartbeat at version 2", lambda: beats[-1] == 2, run)
+            assert beats == [1, 2]
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await service.close()
+
+    asyncio.run(scenario())
