@@ -715,6 +715,27 @@ def test_item_elems_not_a_multiple_of_64(item_elems: int) -> None:
     assert apply(layout, chunks, e.manifest, ref, inplace=False).tobytes() == cur.tobytes()
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["separate", "in-place"])
+def test_changes_at_the_mask_block_edges_of_one_long_item(inplace: bool) -> None:
+    """One item of three whole mask blocks (4096 elements each), a partial one and a tail of
+    fewer than 64 elements; changes on every block edge and at random between them, so each
+    block's masks, the partial block and the scalar tail are all visited, and the streams are
+    long enough for the decoder's word-at-a-time refill and its byte-at-a-time end."""
+    numel = 3 * 4096 + 640 + 5
+    layout = Layout.pack([("x", "bfloat16", (numel,))])
+    rng = np.random.default_rng(5)
+    ref = fill_reference(layout, rng, 0.1)
+    cur = ref.copy()
+    x = layout.view(cur, "x").view(np.uint16)
+    edges = [0, 63, 64, 4095, 4096, 8191, 8192, 12287, 12288, 12288 + 639, numel - 5, numel - 1]
+    chosen = np.union1d(edges, rng.choice(numel, 700, replace=False))
+    x[chosen] ^= np.uint16(1)
+    chunks, manifest = encode(layout, cur, ref, item_elems=1 << 20, dense_threshold=1.0)
+    assert manifest.tensors[0].changed == chosen.size
+    target = apply(layout, chunks, manifest, ref, inplace=inplace)
+    assert target.tobytes() == cur.tobytes()
+
+
 @pytest.mark.parametrize(
     ("first", "second", "threshold"),
     [
