@@ -63,10 +63,12 @@ from deltarl.engine.layout import Layout
 from deltarl.recorded_versions import pairs, read_versions
 from deltarl.sim.realistic_deltas import RealisticDeltas
 
+# Speed targets at every step, step 1 included (raised from 0.3 / 0.5 with the catch-up that
+# took the copy off the refit path).
 TARGETS = {
     "bytes_per_change_vs_bound": 1.05,
-    "encode_vs_memcpy": 0.3,
-    "apply_vs_memcpy": 0.5,
+    "encode_vs_memcpy": 0.35,
+    "apply_vs_memcpy": 0.6,
     "conditioned_vs_ordered_bound": 0.85,
 }
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-TARGETS = {"speedup_100mbit": 20.0, "speedup_1gbit": 8.0, "pipeline": 1.25}
+# At 1 Gbit the speedup must hold in every refit (over the slowest, ``speedup_min``), not only
+# the median.
+TARGETS = {"speedup_100mbit": 20.0, "speedup_1gbit": 10.0, "pipeline": 1.25}
 STAGES = ("encode_s", "transfer_s", "apply_s", "activate_s")
 
 
@@ -54,6 +56,8 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
     elif rate == 1000:
         t = TARGETS["speedup_1gbit"]
         rows.append((f"speedup {speedup:.1f}x at 1 Gbit ({where}; target >= {t})", speedup >= t))
+        low = result["speedup_min"]
+        rows.append((f"slowest refit {low:.1f}x faster at 1 Gbit (target >= {t})", low >= t))
     return rows
 
 
