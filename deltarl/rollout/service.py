@@ -329,10 +329,6 @@ class RolloutService(DaemonCore):
         if not task.cancelled() and task.exception() is not None and self._submit_failure is None:
             self._submit_failure = task.exception()
 
-    async def _submit(self, group_id: str, samples: list[dict[str, Any]]) -> None:
-        """Submit a finished group and wait for the scheduler's answer."""
-        await self._send(group_id, self._hand_in(group_id), samples)
-
     def _hand_in(self, group_id: str) -> int | None:
         """The group moves from in flight to submitting; its prompt id."""
         # Still held (listed in heartbeats) until the scheduler answers: a group whose submit

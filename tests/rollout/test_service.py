@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,12 +76,20 @@ def _service(
     return service
 
 
+async def _submitted(service: RolloutService, group_id: str, samples: list[dict[str, Any]]) -> None:
+    """Submit as the daemon's loop does (a task beside the engine's steps) and wait for it."""
+    service._submit_beside(group_id, samples)
+    await asyncio.gather(*service._submits)
+    if service._submit_failure is not None:
+        raise service._submit_failure
+
+
 def test_a_finished_group_is_put_then_submitted_by_digest(tmp_path: Path) -> None:
     async def scenario() -> None:
         scheduler, samples = Scheduler(), Samples()
         service = _service(scheduler, tmp_path, samples)
         service.in_flight["1.0"] = 0.0
-        await service._submit("1.0", [SAMPLE, SAMPLE])
+        await _submitted(service, "1.0", [SAMPLE, SAMPLE])
         (submit,) = scheduler.sent
         assert isinstance(submit, SubmitGroup)
         group = decode_group(samples.blobs[submit.samples_ref])
@@ -104,16 +113,16 @@ def test_a_put_nobody_answers_is_retried_and_a_refused_one_drops_the_group(
         scheduler, samples = Scheduler(), Samples(TimeoutError("down"), ConnectionError("x"))
         service = _service(scheduler, tmp_path, samples)
         service.in_flight["1.0"] = 0.0
-        await service._submit("1.0", [SAMPLE])
+        await _submitted(service, "1.0", [SAMPLE])
         assert samples.puts == 3
         assert [type(c) for c in scheduler.sent] == [SubmitGroup]
         too_large = Samples(BlobTooLargeError("a blob of 9 bytes is over the bound of 8"))
         refused = _service(Scheduler(), tmp_path, too_large)
-        await refused._submit("2.0", [SAMPLE])
+        await _submitted(refused, "2.0", [SAMPLE])
         assert refused.refused_groups == 1
         assert not refused.submitting
         # Samples the binary form cannot carry are not submitted; the scheduler requeues them.
-        await refused._submit("1.0", [{**SAMPLE, "token_ids": ["x", "y", "z"]}])
+        await _submitted(refused, "1.0", [{**SAMPLE, "token_ids": ["x", "y", "z"]}])
         assert refused.failed_groups == 1
         await service.close()
         await refused.close()
@@ -126,7 +135,7 @@ def test_a_submit_is_retried_until_the_scheduler_answers(tmp_path: Path) -> None
         scheduler = Scheduler(TimeoutError("down"), ConnectionError("gone"), Ok())
         service = _service(scheduler, tmp_path)
         service.in_flight["1.0"] = 0.0
-        await service._submit("1.0", [])
+        await _submitted(service, "1.0", [])
         assert [type(c) for c in scheduler.sent] == [SubmitGroup] * 3
         assert service.submitted_groups == 1
         assert not service.in_flight
@@ -141,7 +150,7 @@ def test_a_refused_group_is_dropped_and_counted(tmp_path: Path) -> None:
         scheduler = Scheduler(Error("stale_group", "lease expired"))
         service = _service(scheduler, tmp_path)
         service.in_flight["1.0"] = 0.0
-        await service._submit("1.0", [])
+        await _submitted(service, "1.0", [])
         assert service.refused_groups == 1
         assert service.submitted_groups == 0
         await service.close()
@@ -155,7 +164,7 @@ def test_a_submit_refused_for_reward_unavailable_is_held_and_sent_again(tmp_path
         scheduler = Scheduler(Error("reward_unavailable", "circuit breaker open"), Ok())
         service = _service(scheduler, tmp_path)
         service.in_flight["1.0"] = 0.0
-        submit = asyncio.ensure_future(service._submit("1.0", [SAMPLE]))
+        submit = asyncio.ensure_future(_submitted(service, "1.0", [SAMPLE]))
         while len(scheduler.sent) < 1:  # noqa: ASYNC110 - the scripted scheduler has no event
             await asyncio.sleep(0.01)
         assert service.submitting == {"1.0"}  # still held: heartbeats keep listing it
@@ -173,7 +182,7 @@ def test_drain_waits_for_the_groups_being_submitted(tmp_path: Path) -> None:
         scheduler = Scheduler(TimeoutError("down"), Ok())
         service = _service(scheduler, tmp_path)
         service.in_flight["1.0"] = 0.0
-        submit = asyncio.create_task(service._submit("1.0", []))
+        submit = asyncio.create_task(_submitted(service, "1.0", []))
         await asyncio.sleep(0)
         drain = asyncio.create_task(service.drain())
         await asyncio.sleep(0.1)
