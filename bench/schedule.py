@@ -197,6 +197,7 @@ def _convergence(args: argparse.Namespace) -> int:
             seed=args.seed,
             eval_every=args.eval_every,
             lag_rule=args.lag_rule,
+            objective=args.objective,
         )
     except RuntimeError as e:
         print(f"deltarl bench schedule: {e}", file=sys.stderr)
@@ -207,11 +208,12 @@ def _convergence(args: argparse.Namespace) -> int:
         return 0
     for label, r in runs.items():
         rewards = [p["reward"] for p in r["reward_curve"] if p.get("reward") is not None]
-        tail = rewards[-3:]
         evals = ", ".join(f"{e['step']}: {e['accuracy']:.3f}" for e in r["eval"])
+        clip = r.get("clip_frac_mean")
         print(
-            f"{label:<24} {r['samples_trained']} samples in {r['wall_s']:.0f} s; reward "
-            f"{rewards[0]:.3f} -> {sum(tail) / len(tail):.3f} (last 3)"
+            f"{label:<36} {r['samples_trained']} samples in {r['wall_s']:.0f} s; reward "
+            f"{rewards[0]:.3f} -> {r['reward_tail_mean']:.3f} (last quarter)"
+            + (f"; clipped {clip:.1%} of tokens" if clip is not None else "")
             + (f"; held-out {evals}" if evals else "")
         )
     print(f"curves: {args.convergence}")
@@ -277,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--convergence-model", default="tiny", help="tiny or smollm2-135m")
     ap.add_argument("--convergence-steps", type=int, default=20)
+    ap.add_argument(
+        "--objective",
+        choices=("clipped", "decoupled"),
+        default="clipped",
+        help="the trainer's policy loss in the convergence runs (deltarl up --objective)",
+    )
     ap.add_argument("--eval-every", type=int, help="held-out rounds every K steps (convergence)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=1, help="max_policy_lag_steps (default 1)")

@@ -7,7 +7,12 @@ at lag bound 3. Their reward curves (and held-out accuracy, where the task has a
 ``--eval-every`` asks for it) are drawn side by side in one PNG, with each run's wall time:
 the same samples, in how much time, to what reward. ``--lag-rule partial`` runs the two
 ``deltarl`` loops under that lag rule (groups go on under new weights; deltarl/scheduler/
-token_lag.py), each run reporting its trained tokens' age beside its waste.
+token_lag.py), each run reporting its trained tokens' age beside its waste. ``--objective
+decoupled`` trains all three with the decoupled objective (deltarl/trainer/grpo.py: the clip
+around the step's own policy, staleness corrected by truncated importance weights) instead of
+PPO's clip against the behaviour policy; each run reports the share of tokens the clip zeroed
+(``clip_frac_mean``), the share whose weight the cap truncated (``cap_frac_mean``) and its mean
+reward over the last quarter of its steps (``reward_tail_mean``).
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from deltarl.scheduler.store import SchedulerStore
 RUNS = (("sync", 0), ("deltarl", 1), ("deltarl", 3))
 
 
-def _label(policy: str, lag: int, lag_rule: str = "oldest_token") -> str:
-    if policy == "sync":
-        return "sync"
-    return f"deltarl, lag {lag}" + (", partial" if lag_rule == "partial" else "")
+def _label(
+    policy: str, lag: int, lag_rule: str = "oldest_token", objective: str = "clipped"
+) -> str:
+    label = "sync" if policy == "sync" else f"deltarl, lag {lag}"
+    if policy != "sync" and lag_rule == "partial":
+        label += ", partial"
+    return label + (", decoupled" if objective == "decoupled" else "")
 
 
 def run_convergence(
@@ -38,24 +46,31 @@ def run_convergence(
     seed: int,
     eval_every: int | None,
     lag_rule: str = "oldest_token",
+    objective: str = "clipped",
 ) -> dict[str, Any]:
     """Run the three loops (module docstring), draw ``out``; the figures of each run."""
     runs: dict[str, Any] = {}
     for policy, lag in RUNS:
-        label = _label(policy, lag, lag_rule)
+        label = _label(policy, lag, lag_rule, objective)
         workdir = root / label.replace(", ", "-").replace(" ", "")
         args = [
             "--model", model, "--steps", str(steps), "--policy", policy,
             "--max-policy-lag", str(lag), "--seed", str(seed), "--workdir", str(workdir),
-            "--lag-rule", lag_rule,
+            "--lag-rule", lag_rule, "--objective", objective,
         ]  # fmt: skip
         if eval_every:
             args += ["--eval-every", str(eval_every)]
         print(f"deltarl bench schedule: convergence run {label}", file=sys.stderr, flush=True)
         summary = up_summary(label, *args)
+        curve = summary.get("reward_curve") or []
+        rewards = [p["reward"] for p in curve if p.get("reward") is not None]
+        tail = rewards[-max(1, len(rewards) // 4) :]
         runs[label] = {
             "policy": policy,
             "lag": lag,
+            "objective": objective,
+            "reward_tail_mean": sum(tail) / len(tail) if tail else None,
+            **_loss_shares(workdir),
             "run": str(workdir),
             "wall_s": _span(workdir),
             "samples_trained": summary.get("samples_trained"),
@@ -72,6 +87,17 @@ def run_convergence(
         }
     _draw(out, runs, model)
     return runs
+
+
+def _loss_shares(workdir: Path) -> dict[str, float | None]:
+    """The mean over the run's steps of the trainer's clip_frac and cap_frac."""
+    with SchedulerStore(workdir / "scheduler.sqlite", readonly=True) as store:
+        metrics = [r["metrics"] for r in store.history()]
+    out: dict[str, float | None] = {}
+    for key in ("clip_frac", "cap_frac"):
+        seen = [float(m[key]) for m in metrics if m.get(key) is not None]
+        out[f"{key}_mean"] = sum(seen) / len(seen) if seen else None
+    return out
 
 
 def _span(workdir: Path) -> float:

@@ -180,6 +180,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "groups_per_step": args.groups_per_step,
             "max_steps": run.steps,
             "lr": args.lr,
+            "objective": args.objective,
             "seed": args.seed,
             "ranks": args.trainer_ranks,
             **run.profile.trainer_table(args.trainer_ranks, args.cpus.get("trainer")),
@@ -318,6 +319,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="an offline plan from `deltarl plan` (its task, seed and step shape must match)",
     )
     ap.add_argument("--lr", type=float, help="the trainer's AdamW lr (default: the model's)")
+    ap.add_argument(
+        "--objective",
+        choices=("clipped", "decoupled"),
+        default="clipped",
+        help="the trainer's policy loss (default clipped: PPO's clip against the behaviour "
+        "policy; decoupled: the clip around the step's policy, staleness corrected by "
+        "truncated importance weights)",
+    )
     ap.add_argument(
         "--temperature",
         type=float,

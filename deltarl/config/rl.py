@@ -95,6 +95,14 @@ class RLTrainerConfig(DaemonTable):
     """AdamW's decoupled weight decay; 0: RL post-training should not pull the pretrained
     weights towards zero, only towards more reward."""
     clip_eps: float = 0.2
+    objective: Literal["clipped", "decoupled"] = "clipped"
+    """The policy loss (deltarl/trainer/grpo.py). "clipped": PPO's clip of the ratio to the
+    behaviour policy, which zeroes the gradient of stale tokens the newer policies already
+    moved past the band. "decoupled": the clip around the policy the step starts from, and the
+    staleness corrected by importance weights truncated at ``behaviour_weight_cap``; the two
+    are the same on fresh samples."""
+    behaviour_weight_cap: float = 2.0
+    """With ``objective = "decoupled"``: the largest importance weight a token may carry."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the initial model; > 0 keeps a frozen copy of it."""
     max_grad_norm: float = 1.0
@@ -135,7 +143,12 @@ class RLTrainerConfig(DaemonTable):
         for key in ("checkpoint_every", "keep_checkpoints", "groups_per_step", "micro_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
-        positive(self, "lr", "clip_eps", "wait_s", "request_timeout_s", "rank_timeout_s")
+        positive(
+            self, "lr", "clip_eps", "behaviour_weight_cap", "wait_s", "request_timeout_s",
+            "rank_timeout_s",
+        )  # fmt: skip
+        if self.objective not in ("clipped", "decoupled"):
+            raise ValueError(f'objective must be "clipped" or "decoupled", got {self.objective!r}')
         if self.ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {self.ranks}")
         if self.compute_dtype not in ("float32", "bfloat16", "auto"):

@@ -29,6 +29,22 @@ Choices, and why:
   token's gradient is exactly zero; ``clip_frac`` counts those tokens.
 - The model runs in eval mode (no dropout): the engine computed the behaviour log-probs
   without dropout, and a dropout mask would make the ratio noise. Gradients flow regardless.
+
+The decoupled objective (``behaviour_weight_cap`` > 0; the trainer's ``objective =
+"decoupled"``, after AReaL's decoupled PPO) separates the two jobs the ratio does above. The
+trust region is taken around the proximal policy, the one the step starts from (``logp``
+detached: one optimizer step per batch), and the staleness is corrected by a truncated
+importance weight:
+
+    w_t      = min(exp(prox_t - behaviour_logp_t), cap)      no gradient
+    ratio_t  = exp(logp_t - prox_t)                          1, with logp's gradient
+    pg_t     = -w_t * min(ratio_t * A_i, clip(ratio_t, ...) * A_i)
+
+On fresh samples (behaviour = prox) both objectives are the same. On a stale one the clipped
+objective zeroes the gradient of every token the newer policies already moved past the band
+(10-20% of the tokens at lag bound 1 on the tiny model, where they are 0 under ``sync``); the
+decoupled one keeps them, weighted by how likely the current policy makes them, and
+``capped`` counts the tokens whose weight the cap truncated.
 """
 
 from __future__ import annotations
@@ -248,6 +264,8 @@ class LossSums:
     kl_behaviour: float
     clipped: float
     tokens: float
+    capped: float = 0.0
+    """Tokens whose importance weight the decoupled objective truncated at its cap."""
 
 
 def grpo_loss(
@@ -260,23 +278,38 @@ def grpo_loss(
     normaliser: float,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    behaviour_weight_cap: float = 0.0,
 ) -> tuple[Tensor, LossSums]:
     """The clipped GRPO loss of a (micro-)batch, divided by ``normaliser`` (the step's tokens).
 
     ``logprobs``, ``behaviour_logprobs``, ``mask`` and ``ref_logprobs``: [B, T]; ``advantages``:
-    [B]. Returns the scalar to backpropagate and the unnormalised token sums for metrics.
+    [B]. ``behaviour_weight_cap`` > 0: the decoupled objective with that cap (module
+    docstring); 0: the clip is taken against the behaviour policy. Returns the scalar to
+    backpropagate and the unnormalised token sums for metrics.
     """
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be positive, got {clip_eps}")
+    if not (behaviour_weight_cap >= 0 and math.isfinite(behaviour_weight_cap)):
+        raise ValueError(f"behaviour_weight_cap must be >= 0, got {behaviour_weight_cap}")
     on = mask > 0
+    zeros = torch.zeros_like(logprobs)
+    decoupled = behaviour_weight_cap > 0
+    # The policy the trust region is around: the behaviour one, or (decoupled) this step's.
+    anchor = logprobs.detach() if decoupled else behaviour_logprobs
     # Padding positions hold arbitrary log-probs; zeroing the log-ratio there keeps exp()
     # finite so that 0 * inf never turns the masked sum into NaN.
-    log_ratio = torch.where(on, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(torch.where(on, logprobs - anchor, zeros))
     adv = advantages.unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    capped = 0.0
+    if decoupled:
+        with torch.no_grad():
+            weight = torch.exp(torch.where(on, anchor - behaviour_logprobs, zeros))
+            capped = float(((weight > behaviour_weight_cap) & on).sum().item())
+            weight = torch.clamp(weight, max=behaviour_weight_cap)
+        per_token = weight * per_token
     with torch.no_grad():
         # The clipped term is strictly smaller only outside the band on the side the advantage
         # pushes towards: exactly the tokens whose gradient the clip zeroes.
@@ -298,6 +331,7 @@ def grpo_loss(
         kl_behaviour=float(kl_behaviour),
         clipped=float(clip_hits),
         tokens=float(mask.sum().item()),
+        capped=capped,
     )
     return loss, sums
 
@@ -316,6 +350,9 @@ class GRPOConfig:
     bf16: bool = False
     """Run the forward and backward passes under bf16 autocast (the trainer's
     ``compute_dtype``); parameters, gradients and the optimizer stay float32."""
+    behaviour_weight_cap: float = 0.0
+    """> 0: the decoupled objective, importance weights truncated at this (module docstring);
+    0: the clip is taken against the behaviour policy."""
 
 
 @dataclass(frozen=True)
@@ -334,6 +371,8 @@ class StepStats:
     padding_ratio: float = 0.0
     """1 - real tokens / tokens the forward passes ran (rows x columns of every micro-batch,
     each trimmed to its longest sample): seed 000's padding bubble of the training side."""
+    cap_frac: float = 0.0
+    """Tokens whose importance weight the decoupled objective truncated, over the tokens."""
 
 
 GradReduce = Callable[[list[nn.Parameter], dict[str, float]], None]
@@ -361,7 +400,8 @@ def train_step(
     """
     total = batch.tokens if total_tokens is None else total_tokens
     optimizer.zero_grad(set_to_none=True)
-    acc = {"loss": 0.0, "kl": 0.0, "kl_behaviour": 0.0, "clipped": 0.0, "real": 0.0, "ran": 0.0}
+    sums_keys = ("loss", "kl", "kl_behaviour", "clipped", "capped")
+    acc = dict.fromkeys((*sums_keys, "real", "ran"), 0.0)
     device = next(model.parameters()).device
     # Length-sorted micro-batches: training's padding bubble (seed 000), cut where it arises.
     for micro in batch.by_length().micro_batches(config.micro_batch):
@@ -390,9 +430,10 @@ def train_step(
             normaliser=float(total),
             ref_logprobs=ref,
             kl_coef=config.kl_coef,
+            behaviour_weight_cap=config.behaviour_weight_cap,
         )
         loss.backward()
-        for key in ("loss", "kl", "kl_behaviour", "clipped"):
+        for key in sums_keys:
             acc[key] += getattr(sums, key)
         acc["real"] += float(micro.attention_mask.sum().item())
         acc["ran"] += float(micro.attention_mask.numel())
@@ -416,4 +457,5 @@ def train_step(
         reward_mean=float(batch.rewards.mean().item()),
         # Summed over the ranks with the loss sums (reduce): the whole step's figure.
         padding_ratio=1.0 - acc["real"] / acc["ran"] if acc["ran"] else 0.0,
+        cap_frac=acc["capped"] / denom,
     )

@@ -21,7 +21,7 @@ from deltarl.trainer.grpo import (
     token_logprobs,
     train_step,
 )
-from deltarl.trainer.service import computes_bf16
+from deltarl.trainer.service import computes_bf16, grpo_config
 from tests.trainer.tiny import sample_groups, tiny_model
 
 
@@ -123,6 +123,71 @@ def test_clipped_tokens_get_exactly_zero_gradient() -> None:
     # The clipped tokens contribute their clipped value to the loss.
     expected = -(1.2 + 0.5 - 1.5 - 0.8 + 1.0 + 1.0) / 6
     assert loss.item() == pytest.approx(expected)
+
+
+def test_the_decoupled_objective_keeps_stale_tokens_weighted_and_truncated() -> None:
+    """The tokens the clipped objective zeroes (above) get a gradient weighted by
+    pi / pi_behaviour, at most the cap; the cap counts the tokens it truncated."""
+    ratios = torch.tensor([[1.5, 0.5], [1.5, 0.5], [1.0, 3.0]], dtype=torch.float64)
+    behaviour = torch.full((3, 2), -2.0, dtype=torch.float64)
+    logp = (behaviour + ratios.log()).clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)
+    mask = torch.ones(3, 2, dtype=torch.float64)
+    loss, sums = grpo_loss(
+        logp, behaviour, adv, mask, clip_eps=0.2, normaliser=6.0, behaviour_weight_cap=2.0
+    )
+    loss.backward()
+    assert logp.grad is not None
+    # d(-w * exp(logp - sg(logp)) * A)/dlogp = -w * A / T, w = min(ratio, 2): never zero.
+    weights = torch.tensor([[1.5, 0.5], [1.5, 0.5], [1.0, 2.0]], dtype=torch.float64)
+    expected = -weights * adv.unsqueeze(-1) / 6
+    assert torch.allclose(logp.grad, expected)
+    assert sums.clipped == 0
+    assert sums.capped == 1
+    assert loss.item() == pytest.approx(-(weights * adv.unsqueeze(-1)).sum().item() / 6)
+
+
+def test_on_fresh_samples_both_objectives_are_one() -> None:
+    """Where the engine's log-probabilities are the policy's own (sync), the decoupled
+    objective's loss and gradient are the clipped one's."""
+    torch.manual_seed(3)
+    behaviour = -torch.rand(4, 5, dtype=torch.float64) * 3
+    adv = torch.tensor([1.0, -0.5, 0.25, -2.0], dtype=torch.float64)
+    mask = (torch.rand(4, 5) > 0.2).double()
+    grads, losses = [], []
+    for cap in (0.0, 2.0):
+        logp = behaviour.clone().requires_grad_(True)
+        loss, _ = grpo_loss(
+            logp, behaviour, adv, mask, clip_eps=0.2, normaliser=20.0, behaviour_weight_cap=cap
+        )
+        loss.backward()
+        assert logp.grad is not None
+        grads.append(logp.grad)
+        losses.append(loss.item())
+    assert torch.allclose(grads[0], grads[1])
+    assert losses[0] == pytest.approx(losses[1])
+    with pytest.raises(ValueError, match="behaviour_weight_cap"):
+        grpo_loss(behaviour, behaviour, adv, mask, clip_eps=0.2, normaliser=1.0,
+                  behaviour_weight_cap=-1.0)  # fmt: skip
+    where = {
+        "control": "tcp://127.0.0.1:1",
+        "scheduler": "tcp://127.0.0.1:2",
+        "published_store": "x",
+        "model_dir": Path("m"),
+        "checkpoint_dir": Path("c"),
+    }
+    assert grpo_config(RLTrainerConfig(**where), 1.0).behaviour_weight_cap == 0.0
+    decoupled = RLTrainerConfig(**where, objective="decoupled", behaviour_weight_cap=3.0)
+    assert grpo_config(decoupled, 1.0).behaviour_weight_cap == 3.0
+    with pytest.raises(ValueError, match="objective"):
+        RLTrainerConfig(
+            control="tcp://127.0.0.1:1",
+            scheduler="tcp://127.0.0.1:2",
+            published_store="x",
+            model_dir=Path("m"),
+            checkpoint_dir=Path("c"),
+            objective="other",  # type: ignore[arg-type]
+        )
 
 
 def test_padding_never_leaks_into_the_loss() -> None:
