@@ -282,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--objective",
         choices=("clipped", "decoupled"),
-        default="clipped",
-        help="the trainer's policy loss in the convergence runs (deltarl up --objective)",
+        default="decoupled",
+        help="the trainer's policy loss in the convergence runs (deltarl up --objective; "
+        "default decoupled)",
     )
     ap.add_argument("--eval-every", type=int, help="held-out rounds every K steps (convergence)")
     ap.add_argument("--seed", type=int, default=0)

@@ -7,12 +7,13 @@ at lag bound 3. Their reward curves (and held-out accuracy, where the task has a
 ``--eval-every`` asks for it) are drawn side by side in one PNG, with each run's wall time:
 the same samples, in how much time, to what reward. ``--lag-rule partial`` runs the two
 ``deltarl`` loops under that lag rule (groups go on under new weights; deltarl/scheduler/
-token_lag.py), each run reporting its trained tokens' age beside its waste. ``--objective
-decoupled`` trains all three with the decoupled objective (deltarl/trainer/grpo.py: the clip
-around the step's own policy, staleness corrected by truncated importance weights) instead of
-PPO's clip against the behaviour policy; each run reports the share of tokens the clip zeroed
-(``clip_frac_mean``), the share whose weight the cap truncated (``cap_frac_mean``) and its mean
-reward over the last quarter of its steps (``reward_tail_mean``).
+token_lag.py), each run reporting its trained tokens' age beside its waste. ``--objective``
+picks the trainer's loss for all three (deltarl/trainer/grpo.py; ``decoupled``, the default:
+the clip around the step's own policy, staleness corrected by truncated importance weights;
+``clipped``: PPO's clip against the behaviour policy); each run reports the share of tokens
+the clip zeroed (``clip_frac_mean``), the share whose weight the cap truncated
+(``cap_frac_mean``) and its mean reward over the last quarter of its steps
+(``reward_tail_mean``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _label(
     label = "sync" if policy == "sync" else f"deltarl, lag {lag}"
     if policy != "sync" and lag_rule == "partial":
         label += ", partial"
-    return label + (", decoupled" if objective == "decoupled" else "")
+    return label + (", clipped" if objective == "clipped" else "")
 
 
 def run_convergence(

@@ -322,10 +322,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--objective",
         choices=("clipped", "decoupled"),
-        default="clipped",
-        help="the trainer's policy loss (default clipped: PPO's clip against the behaviour "
-        "policy; decoupled: the clip around the step's policy, staleness corrected by "
-        "truncated importance weights)",
+        default="decoupled",
+        help="the trainer's policy loss (default decoupled: the clip around the step's "
+        "policy, staleness corrected by truncated importance weights; clipped: PPO's clip "
+        "against the behaviour policy)",
     )
     ap.add_argument(
         "--temperature",

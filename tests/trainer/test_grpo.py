@@ -176,8 +176,10 @@ def test_on_fresh_samples_both_objectives_are_one() -> None:
         "model_dir": Path("m"),
         "checkpoint_dir": Path("c"),
     }
-    assert grpo_config(RLTrainerConfig(**where), 1.0).behaviour_weight_cap == 0.0
-    decoupled = RLTrainerConfig(**where, objective="decoupled", behaviour_weight_cap=3.0)
+    assert grpo_config(RLTrainerConfig(**where), 1.0).behaviour_weight_cap == 2.0  # default
+    clipped = RLTrainerConfig(**where, objective="clipped", behaviour_weight_cap=3.0)
+    assert grpo_config(clipped, 1.0).behaviour_weight_cap == 0.0
+    decoupled = RLTrainerConfig(**where, behaviour_weight_cap=3.0)
     assert grpo_config(decoupled, 1.0).behaviour_weight_cap == 3.0
     with pytest.raises(ValueError, match="objective"):
         RLTrainerConfig(
