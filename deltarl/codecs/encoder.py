@@ -3,7 +3,8 @@
 The work is done in waves of whole tensors of about ``chunk_bytes`` model bytes, so the
 first chunk can be sent while later tensors are still being diffed:
 
-    1) hash every tensor of the wave (the manifest's xxh3-128);
+    1) hash every tensor of the wave (the manifest's xxh3-128): the first wave's alone, then,
+       before the second, every tensor left in one call;
     2) diff, code and Rice-write every item (tensor range) in parallel (kernels.encode_sparse);
     3) choose each tensor's position coding from its changed ratio and exact coded sizes;
        with ``conditioned``, code each sparse float item against the reference's exponents
@@ -185,7 +186,16 @@ class DeltaEncoder:
             pending, pending_bytes, pending_sparse = [], 0, 0
             return chunk
 
-        for wave in self._waves():
+        for w, wave in enumerate(self._waves()):
+            if w < 2:
+                # The first wave's tensors, so its chunk leaves soon; then every other tensor
+                # in one call: a call per wave cost 12 ms for 98M parameters against 8 for
+                # two (a wave of a few tensors keeps the hash threads unevenly busy).
+                t0 = time.perf_counter()
+                ids = wave if w == 0 else range(wave[0], len(self.layout.tensors))
+                for tid, digest in zip(ids, tensor_digests(self.layout, cur, ids), strict=True):
+                    tallies[tid].digest = digest
+                enc.timings.checksum_s += time.perf_counter() - t0
             for record in self._encode_wave(enc, wave, cur, ref, tallies):
                 sparse = 0 if record.header.pos_coding == POS_DENSE else record.header.changed
                 if pending and (
@@ -246,12 +256,7 @@ class DeltaEncoder:
         ref: np.ndarray | None,
         tallies: list[TensorTally],
     ) -> list[Record]:
-        t0 = time.perf_counter()
-        for tid, digest in zip(wave, tensor_digests(self.layout, cur, wave), strict=True):
-            tallies[tid].digest = digest
         t1 = time.perf_counter()
-        enc.timings.checksum_s += t1 - t0
-
         records: list[Record] = []
         # One kernel call per (width, float or int): the ordered delta differs between them.
         by_size: dict[tuple[int, str], list[int]] = {}
