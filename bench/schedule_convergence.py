@@ -30,7 +30,7 @@ RUNS = (("sync", 0), ("deltarl", 1), ("deltarl", 3))
 
 
 def _label(
-    policy: str, lag: int, lag_rule: str = "oldest_token", objective: str = "clipped"
+    policy: str, lag: int, lag_rule: str = "oldest_token", objective: str = "decoupled"
 ) -> str:
     label = "sync" if policy == "sync" else f"deltarl, lag {lag}"
     if policy != "sync" and lag_rule == "partial":
@@ -47,7 +47,7 @@ def run_convergence(
     seed: int,
     eval_every: int | None,
     lag_rule: str = "oldest_token",
-    objective: str = "clipped",
+    objective: str = "decoupled",
 ) -> dict[str, Any]:
     """Run the three loops (module docstring), draw ``out``; the figures of each run."""
     runs: dict[str, Any] = {}
