@@ -42,7 +42,7 @@ importance weight:
 
 On fresh samples (behaviour = prox) both objectives are the same. On a stale one the clipped
 objective zeroes the gradient of every token the newer policies already moved past the band
-(12-13% of the tokens at lag bound 1 on the tiny model, 23-24% at bound 3, none under
+(12-13% of the tokens at lag bound 1 on the tiny model, 23-29% at bound 3, none under
 ``sync``); the
 decoupled one keeps them, weighted by how likely the current policy makes them, and
 ``capped`` counts the tokens whose weight the cap truncated.
