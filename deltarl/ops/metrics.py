@@ -290,6 +290,19 @@ TRAIN_GRAD_NORM = Gauge(
     "Trainer: the last step's gradient norm (before clipping)",
     registry=None,
 )
+# What stale samples cost the loss (deltarl/trainer/grpo.py): under the clipped objective the
+# share of tokens whose gradient the clip zeroed, under the decoupled one the share whose
+# importance weight the cap truncated. Either rising is staleness the trainer is paying for.
+TRAIN_CLIP_FRACTION = Gauge(
+    "deltarl_train_clip_fraction",
+    "Trainer: share of the last step's tokens whose gradient the clip zeroed",
+    registry=None,
+)
+TRAIN_CAP_FRACTION = Gauge(
+    "deltarl_train_cap_fraction",
+    "Trainer: share of the last step's tokens whose importance weight the cap truncated",
+    registry=None,
+)
 
 # -- every daemon, read at scrape time ----------------------------------------------------------
 
@@ -335,7 +348,13 @@ OWNED: dict[str, tuple[Collector, ...]] = {
         INSTANCES_REMOVED,
     ),
     "rollout": (ROLLOUT_BUSY_SECONDS, ROLLOUT_ROUND_SECONDS, ROLLOUT_TOKENS),
-    "trainer": (TRAIN_STEP_SECONDS, TRAIN_LOSS, TRAIN_GRAD_NORM),
+    "trainer": (
+        TRAIN_STEP_SECONDS,
+        TRAIN_LOSS,
+        TRAIN_GRAD_NORM,
+        TRAIN_CLIP_FRACTION,
+        TRAIN_CAP_FRACTION,
+    ),
 }
 """Which families each daemon serves. The metric objects exist in every process (the code
 that counts is shared), but a daemon serves only its own: an unlabelled gauge of another

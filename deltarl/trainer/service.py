@@ -282,6 +282,8 @@ class TrainerService(DaemonCore):
         metrics_out.TRAIN_STEP_SECONDS.observe(t1 - t0)
         metrics_out.TRAIN_LOSS.set(stats.loss)
         metrics_out.TRAIN_GRAD_NORM.set(stats.grad_norm)
+        metrics_out.TRAIN_CLIP_FRACTION.set(stats.clip_frac)
+        metrics_out.TRAIN_CAP_FRACTION.set(stats.cap_frac)
         # Set here, not by the awaiting task: a shutdown may cancel it while this runs on.
         self.step, self.version = step, version
         self.metrics = metrics

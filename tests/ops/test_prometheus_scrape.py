@@ -216,6 +216,11 @@ def test_prometheus_scrapes_a_running_pipeline(
         ):
             assert (prom.value(series) or 0) > 0, series
         assert prom.value("deltarl_policy_lag_bound") == 1
+        for share in ("deltarl_train_clip_fraction", "deltarl_train_cap_fraction"):
+            value = prom.value(share)  # set by every step
+            assert value is not None, share
+            assert 0.0 <= value <= 1.0, share
+        assert prom.value("deltarl_train_clip_fraction") == 0.0  # the decoupled objective
         assert prom.value('deltarl_daemon_state{state="paused"}') == 1  # the trainer's
         _ctl(config, "trainer", "resume")
         out, err = up.communicate(timeout=600)
