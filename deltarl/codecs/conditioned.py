@@ -482,8 +482,8 @@ def decode_conditioned(
     shift,
     mask,
     vmax,  # the largest coded value of the element width
-    positions,  # int64 out
-    zval,  # uint64 out
+    positions,  # uint32 out (relative to each record's start)
+    zval,  # out: coded values, uintN (N >= the element width)
     errors,  # int64 out
 ):
     """Decode every record's positions and coded values, walking its reference range.

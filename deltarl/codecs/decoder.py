@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,25 +57,37 @@ class DecodeScratch:
     that is already mapped. The arrays a decode returns are views into this scratch: they
     stay valid until the next decode that uses the same scratch. One per thread (the default
     is thread-local).
+
+    Positions are 32-bit (relative to their record, whose range frame_checks.py bounds to
+    2**32 elements) and coded values as wide as the element (a coded value never exceeds the
+    width's mask): 6 bytes a bf16 change where int64 + uint64 took 16, written by the decode
+    and read again by the scatter and by every catch-up of a kept delta. At 3.7% changed,
+    98M parameters, that is 36 MB less to move per refit.
     """
 
     def __init__(self) -> None:
-        self._positions = np.empty(0, np.int64)
-        self._zval = np.empty(0, np.uint64)
+        self._positions = np.empty(0, np.uint32)
+        self._zval: dict[int, np.ndarray] = {}  # itemsize -> coded values of that width
         self._used = 0
 
-    def reset(self, total: int) -> None:
-        """Make room for ``total`` decoded elements in all, forgetting the previous chunk's."""
+    def reset(self, total: int, itemsizes: Iterable[int] = (8,)) -> None:
+        """Make room for ``total`` decoded elements in all, of the element widths
+        ``itemsizes`` (bytes), forgetting the previous chunk's."""
         if self._positions.shape[0] < total:
-            self._positions = np.empty(total, np.int64)
-            self._zval = np.empty(total, np.uint64)
+            self._positions = np.empty(total, np.uint32)
+            self._zval = {}
+        room = self._positions.shape[0]
+        for size in itemsizes:
+            if size not in self._zval:
+                self._zval[size] = np.empty(room, np.dtype(f"<u{size}"))
         self._used = 0
 
-    def take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, zval) views of n elements each, after those already taken."""
+    def take(self, n: int, itemsize: int = 8) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, zval) views of n elements each, after those already taken; zval at
+        ``itemsize`` bytes, one of the widths ``reset`` made room for."""
         a, b = self._used, self._used + n
         self._used = b
-        return self._positions[a:b], self._zval[a:b]
+        return self._positions[a:b], self._zval[itemsize][a:b]
 
 
 _thread_scratch = threading.local()
@@ -408,7 +421,7 @@ def _decode_sparse(
             bitmap_at += r.pos_len
             bitmaps[i] = _bitmap_positions(i, r, packed)
             pos_off[i] = -1
-    scratch.reset(sum(records[i].changed for i in ids))
+    scratch.reset(sum(records[i].changed for i in ids), {records[i].itemsize for i in ids})
     batches = []
     for itemsize in sorted({records[i].itemsize for i in ids}):
         group = [i for i in ids if records[i].itemsize == itemsize]
@@ -416,7 +429,7 @@ def _decode_sparse(
         counts = np.array([r.changed for r in rs], np.int64)
         out_off = np.zeros(len(rs), np.int64)
         np.cumsum(counts[:-1], out=out_off[1:])
-        positions, zval = scratch.take(int(counts.sum()))
+        positions, zval = scratch.take(int(counts.sum()), itemsize)
         for j, i in enumerate(group):
             if i in bitmaps:
                 positions[out_off[j] : out_off[j] + counts[j]] = bitmaps[i]

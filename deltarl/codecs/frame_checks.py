@@ -100,6 +100,7 @@ def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layo
             raise FrameError(f"{where}: a sparse record with no changed elements")
         if r.pos_coding == POS_CONDITIONED:
             _check_conditioned(where, r, spec.dtype)
+            _check_position_room(where, r)
             sparse += r.changed
             continue
         if r.pos_k >= kernels.POSITION_WIDTH or r.val_k >= min(32, 8 * r.itemsize):
@@ -113,6 +114,7 @@ def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layo
         _check_rice_room(where, r.changed, "val_len", r.val_len, r.val_k)
         if r.val_coding == VAL_RAW:
             raise FrameError(f"{where}: a sparse record must be reference-coded")
+        _check_position_room(where, r)
         sparse += r.changed
     if sparse > MAX_DECODED_ELEMS:
         raise FrameError(
@@ -140,6 +142,16 @@ def _check_conditioned(where: str, r: RecordHeader, dtype: str) -> None:
         raise FrameError(
             f"{where}: {kernels.ERRORS[kernels.EXHAUSTED]} (a conditioned stream of "
             f"{r.pos_len} bytes codes at most {most} changes; the record claims {r.changed})"
+        )
+
+
+def _check_position_room(where: str, r: RecordHeader) -> None:
+    """A sparse record's positions are decoded relative to its start into 32-bit slots
+    (decoder.DecodeScratch): its range must not be longer than they can address."""
+    if r.length > 1 << kernels.POSITION_WIDTH:
+        raise FrameError(
+            f"{where}: a sparse range of {r.length} elements; positions are 32-bit, so "
+            f"at most {1 << kernels.POSITION_WIDTH}"
         )
 
 

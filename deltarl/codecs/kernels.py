@@ -472,8 +472,8 @@ def decode_sparse(
     counts,  # int64[n]: changed elements per record
     lengths,  # int64[n]: range length per record
     out_off,  # int64[n]: each record's region in positions / zval
-    positions,  # int64 out (or in, for records whose pos_off is -1)
-    zval,  # uint64 out: coded values
+    positions,  # uint32 out (or in, for records whose pos_off is -1)
+    zval,  # out: coded values, uintN (N >= width: a coded value is at most the mask)
     errors,  # int64 out
 ):
     """Decode positions and coded values of every record, checking every bound.
@@ -575,5 +575,5 @@ def scatter_sparse(target, reference, bases, counts, out_off, positions, zval, c
             e = b + np.int64(positions[o + j])
             old = np.uint64(reference[e])
             target[e] = _decode_value(
-                zval[o + j], old, coding, sign_shift, magnitude, mask, is_float
+                np.uint64(zval[o + j]), old, coding, sign_shift, magnitude, mask, is_float
             )

@@ -130,6 +130,18 @@ def test_the_tiny_frame_that_raised_memory_error() -> None:
     _refused(_layout(VAST), frame, r"pos_len 8 bytes hold at most 64 codes of parameter 0; the rec")
 
 
+def test_sparse_range_beyond_32_bit_positions() -> None:
+    """Four changes in a range of 2**32 + 64 elements: room in its streams for them, but its
+    positions could not be told apart in the decoder's 32-bit slots (one past 2**32 would
+    land on an element near the start), so the frame is refused before any is decoded."""
+    numel = (1 << 32) + 64
+    frame = _frame(
+        [_record(POS_RICE, numel, 4, 8, 8)],
+        [(STREAM_RICE, COMP_NONE, 8, b"\1" * 8), (STREAM_VALUES, COMP_NONE, 8, b"\1" * 8)],
+    )
+    _refused(_layout(numel), frame, r"a sparse range of 4294967360 elements; positions are 32-bit")
+
+
 def test_rice_record_claiming_every_element() -> None:
     _refused(_layout(HUGE), _rice_everything(HUGE), r"a bit stream ends before all changed")
 
