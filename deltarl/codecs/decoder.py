@@ -70,7 +70,7 @@ class DecodeScratch:
         self._zval: dict[int, np.ndarray] = {}  # itemsize -> coded values of that width
         self._used = 0
 
-    def reset(self, total: int, itemsizes: Iterable[int] = (8,)) -> None:
+    def reset(self, total: int, itemsizes: Iterable[int]) -> None:
         """Make room for ``total`` decoded elements in all, of the element widths
         ``itemsizes`` (bytes), forgetting the previous chunk's."""
         if self._positions.shape[0] < total:
@@ -82,7 +82,7 @@ class DecodeScratch:
                 self._zval[size] = np.empty(room, np.dtype(f"<u{size}"))
         self._used = 0
 
-    def take(self, n: int, itemsize: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    def take(self, n: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, zval) views of n elements each, after those already taken; zval at
         ``itemsize`` bytes, one of the widths ``reset`` made room for."""
         a, b = self._used, self._used + n
@@ -421,9 +421,10 @@ def _decode_sparse(
             bitmap_at += r.pos_len
             bitmaps[i] = _bitmap_positions(i, r, packed)
             pos_off[i] = -1
-    scratch.reset(sum(records[i].changed for i in ids), {records[i].itemsize for i in ids})
+    widths = sorted({records[i].itemsize for i in ids})
+    scratch.reset(sum(records[i].changed for i in ids), widths)
     batches = []
-    for itemsize in sorted({records[i].itemsize for i in ids}):
+    for itemsize in widths:
         group = [i for i in ids if records[i].itemsize == itemsize]
         rs = [records[i] for i in group]
         counts = np.array([r.changed for r in rs], np.int64)
