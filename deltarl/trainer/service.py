@@ -164,6 +164,7 @@ def grpo_config(cfg: RLTrainerConfig, temperature: float) -> GRPOConfig:
         temperature,
         bf16=computes_bf16(cfg.compute_dtype, train_device(cfg)),
         behaviour_weight_cap=cfg.behaviour_weight_cap if cfg.objective == "decoupled" else 0.0,
+        published_forward=cfg.forward_weights == "published",
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -13,16 +14,18 @@ from deltarl.rl.samples import Group, Sample
 from deltarl.trainer.grpo import (
     ADV_EPS,
     BatchError,
+    GRPOBatch,
     GRPOConfig,
     ScoredGroup,
     build_batch,
     group_advantages,
     grpo_loss,
+    published_weights,
     token_logprobs,
     train_step,
 )
 from deltarl.trainer.service import computes_bf16, grpo_config
-from tests.trainer.tiny import sample_groups, tiny_model
+from tests.trainer.tiny import VOCAB, sample_groups, tiny_model
 
 
 def _sample(
@@ -181,6 +184,11 @@ def test_on_fresh_samples_both_objectives_are_one() -> None:
     assert grpo_config(clipped, 1.0).behaviour_weight_cap == 0.0
     decoupled = RLTrainerConfig(**where, behaviour_weight_cap=3.0)
     assert grpo_config(decoupled, 1.0).behaviour_weight_cap == 3.0
+    assert grpo_config(decoupled, 1.0).published_forward is True  # the default
+    at_master = RLTrainerConfig(**where, forward_weights="master")
+    assert grpo_config(at_master, 1.0).published_forward is False
+    with pytest.raises(ValueError, match="forward_weights"):
+        RLTrainerConfig(**where, forward_weights="bf16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="objective"):
         RLTrainerConfig(
             control="tcp://127.0.0.1:1",
@@ -399,6 +407,97 @@ def test_a_bf16_step_keeps_float32_weights_and_close_log_probabilities() -> None
         for a, b in zip(models[True].parameters(), tiny_model(0).parameters(), strict=True)
     ]
     assert max(moved) > 0
+
+
+def _off_grid(seed: int) -> torch.nn.Module:
+    """A tiny model whose float32 master weights are off bf16's grid, as they are after any
+    AdamW step at an RL learning rate (most of the update below bf16's resolution)."""
+    model = tiny_model(seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 2e-3 * torch.randn(p.shape, generator=gen))
+    assert any(not torch.equal(p, p.to(torch.bfloat16).float()) for p in model.parameters())
+    return model
+
+
+def _served(master: torch.nn.Module) -> torch.nn.Module:
+    """The model the engines serve after the publisher wrote ``master``: every weight rounded
+    to bf16, computed in float32."""
+    served = tiny_model(0)
+    state = master.state_dict()
+    served.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
+    return served
+
+
+def _behaviour_from(model: torch.nn.Module, groups: list[ScoredGroup]) -> GRPOBatch:
+    batch = build_batch(groups)
+    with torch.no_grad():
+        batch.behaviour_logprobs.copy_(
+            token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7) * batch.loss_mask
+        )
+    return batch
+
+
+def test_published_forward_trains_the_policy_the_engines_sample() -> None:
+    """forward_weights "published": under a synchronous loop the behaviour log-probabilities
+    (the engine's, at the published bf16 weights) are exactly the trainer's, and the gradient
+    is the served model's, applied to the master weights, which keep their float32 values.
+    At the master weights the same samples look off-policy."""
+    master = _off_grid(3)
+    groups = [
+        _group("a", _sample([1, 2], [3, 4, 5, 6], 1.0), _sample([1, 2], [9, 9], 0.0)),
+        _group("b", _sample([4, 4, 4], [5, 5], 0.0), _sample([4, 4, 4], [6, 6, 6], 3.0)),
+    ]
+    served = _served(master)
+    batch = _behaviour_from(served, groups)
+    before = [p.detach().clone() for p in master.parameters()]
+    cfg = GRPOConfig(temperature=0.7, behaviour_weight_cap=2.0, published_forward=True)
+    stats = train_step(master, torch.optim.SGD(master.parameters(), lr=0.0), batch, cfg)
+    assert stats.kl_behaviour == 0.0  # bit-identical log-probabilities, not merely close
+    assert stats.cap_frac == 0.0
+    # The master weights come back bit for bit (lr 0: the step itself moves nothing) ...
+    assert all(torch.equal(a, b) for a, b in zip(master.parameters(), before, strict=True))
+    # ... carrying the served model's gradient.
+    reference = train_step(
+        served,
+        torch.optim.SGD(served.parameters(), lr=0.0),
+        batch,
+        dataclasses.replace(cfg, published_forward=False),
+    )
+    assert stats.loss == reference.loss
+    for a, b in zip(master.parameters(), served.parameters(), strict=True):
+        assert a.grad is not None
+        assert b.grad is not None
+        assert torch.equal(a.grad, b.grad)
+    # At the master weights the trainer sees another policy than the one that sampled.
+    at_master = tiny_model(0)
+    at_master.load_state_dict(master.state_dict())
+    off = train_step(
+        at_master,
+        torch.optim.SGD(at_master.parameters(), lr=0.0),
+        batch,
+        dataclasses.replace(cfg, published_forward=False),
+    )
+    assert off.kl_behaviour > 0.0
+    grads = zip(at_master.parameters(), served.parameters(), strict=True)
+    assert any(not torch.equal(a.grad, b.grad) for a, b in grads)  # type: ignore[arg-type]
+
+
+def test_published_weights_give_the_master_back_when_a_pass_fails() -> None:
+    """A pass that raises inside (a token outside the vocabulary) must not leave the master
+    weights rounded: a rounded master would lose the sub-resolution part of every update."""
+    master = _off_grid(5)
+    before = [p.detach().clone() for p in master.parameters()]
+    bad = [_group("x", _sample([1, 2], [VOCAB + 7, 4], 1.0), _sample([1, 2], [3, 3], 0.0))]
+    cfg = GRPOConfig(published_forward=True)
+    with pytest.raises(IndexError):
+        train_step(master, torch.optim.SGD(master.parameters(), lr=0.0), build_batch(bad), cfg)
+    assert all(torch.equal(a, b) for a, b in zip(master.parameters(), before, strict=True))
+    params = list(master.parameters())
+    with published_weights(params):
+        assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in params)
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
 
 
 def _cpu_flags() -> set[str]:
