@@ -198,6 +198,7 @@ def _convergence(args: argparse.Namespace) -> int:
             eval_every=args.eval_every,
             lag_rule=args.lag_rule,
             objective=args.objective,
+            forward_weights=args.forward_weights,
         )
     except RuntimeError as e:
         print(f"deltarl bench schedule: {e}", file=sys.stderr)
@@ -285,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         default="decoupled",
         help="the trainer's policy loss in the convergence runs (deltarl up --objective; "
         "default decoupled)",
+    )
+    ap.add_argument(
+        "--forward-weights",
+        choices=("published", "master"),
+        default="published",
+        help="the weights the trainer's passes run at in the convergence runs (deltarl up "
+        "--forward-weights; default published, the bf16 the engines serve)",
     )
     ap.add_argument("--eval-every", type=int, help="held-out rounds every K steps (convergence)")
     ap.add_argument("--seed", type=int, default=0)

@@ -13,7 +13,9 @@ the clip around the step's own policy, staleness corrected by truncated importan
 ``clipped``: PPO's clip against the behaviour policy); each run reports the share of tokens
 the clip zeroed (``clip_frac_mean``), the share whose weight the cap truncated
 (``cap_frac_mean``) and its mean reward over the last quarter of its steps
-(``reward_tail_mean``).
+(``reward_tail_mean``). ``--forward-weights master`` runs all three with the trainer's passes
+at its float32 master weights instead of the bf16 ones the engines serve (the trainer's
+``forward_weights``), to see what that mismatch costs.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ RUNS = (("sync", 0), ("deltarl", 1), ("deltarl", 3))
 
 
 def _label(
-    policy: str, lag: int, lag_rule: str = "oldest_token", objective: str = "decoupled"
+    policy: str,
+    lag: int,
+    lag_rule: str = "oldest_token",
+    objective: str = "decoupled",
+    forward_weights: str = "published",
 ) -> str:
     label = "sync" if policy == "sync" else f"deltarl, lag {lag}"
     if policy != "sync" and lag_rule == "partial":
         label += ", partial"
-    return label + (", clipped" if objective == "clipped" else "")
+    label += ", clipped" if objective == "clipped" else ""
+    return label + (", master weights" if forward_weights == "master" else "")
 
 
 def run_convergence(
@@ -48,16 +55,18 @@ def run_convergence(
     eval_every: int | None,
     lag_rule: str = "oldest_token",
     objective: str = "decoupled",
+    forward_weights: str = "published",
 ) -> dict[str, Any]:
     """Run the three loops (module docstring), draw ``out``; the figures of each run."""
     runs: dict[str, Any] = {}
     for policy, lag in RUNS:
-        label = _label(policy, lag, lag_rule, objective)
+        label = _label(policy, lag, lag_rule, objective, forward_weights)
         workdir = root / label.replace(", ", "-").replace(" ", "")
         args = [
             "--model", model, "--steps", str(steps), "--policy", policy,
             "--max-policy-lag", str(lag), "--seed", str(seed), "--workdir", str(workdir),
             "--lag-rule", lag_rule, "--objective", objective,
+            "--forward-weights", forward_weights,
         ]  # fmt: skip
         if eval_every:
             args += ["--eval-every", str(eval_every)]
@@ -70,6 +79,7 @@ def run_convergence(
             "policy": policy,
             "lag": lag,
             "objective": objective,
+            "forward_weights": forward_weights,
             "reward_tail_mean": sum(tail) / len(tail) if tail else None,
             **_loss_shares(workdir),
             "run": str(workdir),

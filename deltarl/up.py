@@ -181,6 +181,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "max_steps": run.steps,
             "lr": args.lr,
             "objective": args.objective,
+            "forward_weights": args.forward_weights,
             "seed": args.seed,
             "ranks": args.trainer_ranks,
             **run.profile.trainer_table(args.trainer_ranks, args.cpus.get("trainer")),
@@ -326,6 +327,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="the trainer's policy loss (default decoupled: the clip around the step's "
         "policy, staleness corrected by truncated importance weights; clipped: PPO's clip "
         "against the behaviour policy)",
+    )
+    ap.add_argument(
+        "--forward-weights",
+        choices=("published", "master"),
+        default="published",
+        help="the weights the trainer's passes run at (default published: its float32 master "
+        "weights rounded to the bf16 the engines serve; master: the float32 ones)",
     )
     ap.add_argument(
         "--temperature",

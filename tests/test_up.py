@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -287,21 +288,25 @@ def test_two_engines_and_two_trainer_ranks(home: Path) -> None:
 
 
 def test_conditioned_deltas_pinned_daemons_and_forced_lengths(home: Path, tmp_path: Path) -> None:
-    """One run for three things ``deltarl up`` passes to its daemons.
+    """One run for four things ``deltarl up`` passes to its daemons.
 
     ``--delta-coding conditioned`` at a learning rate low enough for sparse deltas (at the tiny
     profile's own rate nearly every element moves and every tensor goes dense, so the coding
     is never chosen): conditioned records carry most tensors, and every engine load is
     bit-exact. ``--cpus``: the trainer and the rollout daemon ran on the CPUs given.
     ``--task long_tail``: every pooled sample is exactly as long as the task forced it (from
-    the scheduler through the engine to the store), and the lengths vary."""
+    the scheduler through the engine to the store), and the lengths vary.
+    ``--forward-weights master``: the trainer's table says so (the old passes at the float32
+    master weights stay runnable, for comparison)."""
     workdir = tmp_path / "run"
     trainer, rollout = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
     proc = up_json(
         home, "--steps", "3", "--delta-coding", "conditioned", "--lr", "1e-5",
         "--workdir", str(workdir), "--cpus", f"trainer={trainer}", "--cpus", f"rollout={rollout}",
-        "--task", "long_tail", "--max-tokens", "64",
+        "--task", "long_tail", "--max-tokens", "64", "--forward-weights", "master",
     )  # fmt: skip
+    with (workdir / "deltarl.toml").open("rb") as f:
+        assert tomllib.load(f)["daemons"]["trainer"]["forward_weights"] == "master"
     result = orjson.loads(proc.stdout.strip().splitlines()[-1])
     assert result["task"] == "long_tail"
     task = LongTail()

@@ -118,6 +118,7 @@ def test_convergence_runs_three_loops_on_the_same_samples_and_draws_them(tmp_pat
     assert runs["sync"]["lag"] == 0
     for r in runs.values():
         assert r["objective"] == "decoupled"  # the default: no clip against stale tokens
+        assert r["forward_weights"] == "published"  # the default: the engines' weights
         assert r["clip_frac_mean"] == 0.0
         assert 0.0 <= r["cap_frac_mean"] <= 1.0
         assert r["reward_tail_mean"] == r["reward_curve"][-1]["reward"]  # a quarter of 3
