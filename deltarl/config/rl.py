@@ -14,6 +14,11 @@ from deltarl.config.checks import at_least, endpoints, non_negative, positive
 from deltarl.config.reward import RewardClientConfig
 from deltarl.transport.blobs import DEFAULT_MAX_FRAME_BYTES, samples_endpoint
 
+ForwardWeights = Literal["published", "master"]
+FORWARD_WEIGHTS: tuple[ForwardWeights, ...] = ("published", "master")
+"""What the trainer's ``forward_weights`` may be (the config's check and the command lines'
+choices)."""
+
 
 @dataclass(frozen=True)
 class RolloutConfig(DaemonTable):
@@ -137,7 +142,7 @@ class RLTrainerConfig(DaemonTable):
     that supports it, a CPU with AVX512-BF16 or AMX) and float32 elsewhere, where emulated
     bf16 is slower than float32. Measured on a 2-core AVX512-BF16 CPU: a SmolLM2-135M
     forward and backward of 4 x 110 tokens took 1.8 s in bf16 against 3.1 s in float32."""
-    forward_weights: Literal["published", "master"] = "published"
+    forward_weights: ForwardWeights = "published"
     """The weights a training pass runs at. "published": the bf16 rounding of the master
     weights, which is what the publisher writes and the engines sample with; the gradient
     there is applied to the float32 master weights (as mixed-precision trainers keep a bf16
@@ -169,7 +174,7 @@ class RLTrainerConfig(DaemonTable):
             raise ValueError(
                 f'compute_dtype must be "float32", "bfloat16" or "auto", got {self.compute_dtype!r}'
             )
-        if self.forward_weights not in ("published", "master"):
+        if self.forward_weights not in FORWARD_WEIGHTS:
             raise ValueError(
                 f'forward_weights must be "published" or "master", got {self.forward_weights!r}'
             )

@@ -434,8 +434,6 @@ def train_step(
     """
     total = batch.tokens if total_tokens is None else total_tokens
     optimizer.zero_grad(set_to_none=True)
-    sums_keys = ("loss", "kl", "kl_behaviour", "clipped", "capped")
-    acc = dict.fromkeys((*sums_keys, "real", "ran"), 0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     # Every parameter, frozen ones too: the publisher writes them all.
     at = (
@@ -444,7 +442,7 @@ def train_step(
         else contextlib.nullcontext()
     )
     with at:
-        _accumulate(model, batch, config, reference, total, acc, sums_keys)
+        acc = _accumulate(model, batch, config, reference, total)
     if reduce is not None and total:
         reduce(params, acc)  # every parameter has a gradient after it, on every rank
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
@@ -474,11 +472,11 @@ def _accumulate(
     config: GRPOConfig,
     reference: nn.Module | None,
     total: int,
-    acc: dict[str, float],
-    sums_keys: tuple[str, ...],
-) -> None:
+) -> dict[str, float]:
     """The forward and backward passes of a step's micro-batches: gradients into the
-    parameters, the loss sums and the token counts into ``acc``."""
+    parameters; returns the loss sums and the token counts (``real``, ``ran``)."""
+    sums_keys = ("loss", "kl", "kl_behaviour", "clipped", "capped")
+    acc = dict.fromkeys((*sums_keys, "real", "ran"), 0.0)
     device = next(model.parameters()).device
     # Length-sorted micro-batches: training's padding bubble (seed 000), cut where it arises.
     for micro in batch.by_length().micro_batches(config.micro_batch):
@@ -514,3 +512,4 @@ def _accumulate(
             acc[key] += getattr(sums, key)
         acc["real"] += float(micro.attention_mask.sum().item())
         acc["ran"] += float(micro.attention_mask.numel())
+    return acc
