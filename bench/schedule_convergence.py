@@ -12,7 +12,8 @@ picks the trainer's loss for all three (deltarl/trainer/grpo.py; ``decoupled``, 
 the clip around the step's own policy, staleness corrected by truncated importance weights;
 ``clipped``: PPO's clip against the behaviour policy); each run reports the share of tokens
 the clip zeroed (``clip_frac_mean``), the share whose weight the cap truncated
-(``cap_frac_mean``) and its mean reward over the last quarter of its steps
+(``cap_frac_mean``), its last step's KL to the sampling policy (``kl_behaviour_last``)
+and its mean reward over the last quarter of its steps
 (``reward_tail_mean``). ``--forward-weights master`` runs all three with the trainer's passes
 at its float32 master weights instead of the bf16 ones the engines serve (the trainer's
 ``forward_weights``), to see what that mismatch costs.
@@ -81,7 +82,9 @@ def run_convergence(
             "objective": objective,
             "forward_weights": forward_weights,
             "reward_tail_mean": sum(tail) / len(tail) if tail else None,
-            **_loss_shares(workdir),
+            "clip_frac_mean": summary.get("clip_frac_mean"),
+            "cap_frac_mean": summary.get("cap_frac_mean"),
+            "kl_behaviour_last": summary.get("kl_behaviour_last"),
             "run": str(workdir),
             "wall_s": _span(workdir),
             "samples_trained": summary.get("samples_trained"),
@@ -98,17 +101,6 @@ def run_convergence(
         }
     _draw(out, runs, model)
     return runs
-
-
-def _loss_shares(workdir: Path) -> dict[str, float | None]:
-    """The mean over the run's steps of the trainer's clip_frac and cap_frac."""
-    with SchedulerStore(workdir / "scheduler.sqlite", readonly=True) as store:
-        metrics = [r["metrics"] for r in store.history()]
-    out: dict[str, float | None] = {}
-    for key in ("clip_frac", "cap_frac"):
-        seen = [float(m[key]) for m in metrics if m.get(key) is not None]
-        out[f"{key}_mean"] = sum(seen) / len(seen) if seen else None
-    return out
 
 
 def _span(workdir: Path) -> float:

@@ -200,6 +200,12 @@ def summarise(run: Run) -> dict[str, Any]:
         ],
         # Per version the engine loaded: its kind, wire bytes and export pick-up to engine.
         "refit_curve": _refit_curve(export.get("recent") or [], refits, refit_seconds),
+        # What the trainer's objective did with the samples, means over the steps: the share
+        # of tokens the clip zeroed, the share whose importance weight the cap truncated, and
+        # the last step's k3 KL to the policy that sampled. Under `sync` the samples are
+        # fresh, so a cap share or KL above 0 there means the trainer's passes compute
+        # another policy than the engines serve (forward_weights "master").
+        **_objective_shares(rows),
         # The training side's padding bubble: what the forward passes ran but did not use.
         "padding_ratio_median": _median(
             [
@@ -304,6 +310,28 @@ def _token_lag(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
         for r, w in zip(counted, weights, strict=True)
     )
     return mean / total, over / total
+
+
+def _objective_shares(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    metrics = [r.get("metrics") or {} for r in rows]
+    for key in ("clip_frac", "cap_frac"):
+        seen = [float(m[key]) for m in metrics if m.get(key) is not None]
+        out[f"{key}_mean"] = sum(seen) / len(seen) if seen else None
+    kl = [float(m["kl_behaviour"]) for m in metrics if m.get("kl_behaviour") is not None]
+    # k3 grows as exp(log-ratio): a trainer far from the engines can overflow it (None then)
+    out["kl_behaviour_last"] = kl[-1] if kl and math.isfinite(kl[-1]) else None
+    return out
+
+
+def _objective_line(s: dict[str, Any]) -> str:
+    if s.get("cap_frac_mean") is None and s.get("clip_frac_mean") is None:
+        return "no step reported its clip or cap shares"
+    return (
+        f"clip zeroed {_f(s.get('clip_frac_mean'), '.2%')}, cap truncated "
+        f"{_f(s.get('cap_frac_mean'), '.2%')} of the tokens (mean of the steps); KL to the "
+        f"sampling policy {_f(s.get('kl_behaviour_last'), '.3g')} at the last step"
+    )
 
 
 def _wasted_ratio(rows: list[dict[str, Any]]) -> float | None:
@@ -447,6 +475,7 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"  wasted tokens     {_wasted_line(s.get('wasted_tokens_ratio'))}",
         f"  training padding  median {s['padding_ratio_median']:.1%} of the positions the "
         "forward passes ran were padding",
+        f"  objective         {_objective_line(s)}",
         f"  prefix cache      {_f(s.get('prefix_cache_hit_rate'))} of prompt tokens served "
         "from cache (pooled over the engines)",
         f"  dispatch          {s['policy']}; sorting wait median "

@@ -128,6 +128,13 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     assert t["wait_s"] >= 0
     assert [r["step"] for r in result["reward_curve"]] == list(range(1, steps + 1))
     assert "step time         median" in proc.stderr
+    # What the objective did, means over the steps: the default (decoupled) clips no token
+    # for its age, the cap truncates some of the stale ones' weights; k3 KL is >= 0 up to
+    # float rounding.
+    assert result["clip_frac_mean"] == 0.0
+    assert 0.0 <= result["cap_frac_mean"] < 0.5
+    assert result["kl_behaviour_last"] > -1e-6
+    assert "objective         clip zeroed 0.00%, cap truncated" in proc.stderr
     # the share of generated tokens thrown away stale, the run's and each step's
     assert 0 <= result["wasted_tokens_ratio"] < 1
     assert [w["step"] for w in result["wasted_curve"]] == list(range(1, steps + 1))

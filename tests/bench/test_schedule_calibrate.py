@@ -122,4 +122,8 @@ def test_convergence_runs_three_loops_on_the_same_samples_and_draws_them(tmp_pat
         assert r["clip_frac_mean"] == 0.0
         assert 0.0 <= r["cap_frac_mean"] <= 1.0
         assert r["reward_tail_mean"] == r["reward_curve"][-1]["reward"]  # a quarter of 3
+    # Fresh samples and passes at the weights the engine serves: the trainer's policy is the
+    # sampler's, so no importance weight reaches the cap and the KL to it is rounding.
+    assert runs["sync"]["cap_frac_mean"] == 0.0
+    assert runs["sync"]["kl_behaviour_last"] == pytest.approx(0.0, abs=1e-4)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
