@@ -189,6 +189,7 @@ def _convergence(args: argparse.Namespace) -> int:
     from deltarl.bench.schedule_convergence import run_convergence  # noqa: PLC0415
 
     root = args.real_dir or Path(tempfile.mkdtemp(prefix="deltarl-convergence-"))
+    print(f"deltarl bench schedule: convergence runs in {root}", file=sys.stderr, flush=True)
     try:
         runs = run_convergence(
             args.convergence,

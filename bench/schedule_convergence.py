@@ -65,14 +65,14 @@ def run_convergence(
         workdir = root / label.replace(", ", "-").replace(" ", "")
         args = [
             "--model", model, "--steps", str(steps), "--policy", policy,
-            "--max-policy-lag", str(lag), "--seed", str(seed), "--workdir", str(workdir),
+            "--max-policy-lag", str(lag), "--seed", str(seed),
             "--lag-rule", lag_rule, "--objective", objective,
             "--forward-weights", forward_weights,
         ]  # fmt: skip
         if eval_every:
             args += ["--eval-every", str(eval_every)]
         print(f"deltarl bench schedule: convergence run {label}", file=sys.stderr, flush=True)
-        summary = up_summary(label, *args)
+        summary = up_summary(label, workdir, *args)
         curve = summary.get("reward_curve") or []
         rewards = [p["reward"] for p in curve if p.get("reward") is not None]
         tail = rewards[-max(1, len(rewards) // 4) :]

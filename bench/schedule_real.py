@@ -32,6 +32,7 @@ runs' engines run (``engine_cpus``, ``schedule_calibrate.calibrate_placed``).
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ import orjson
 from deltarl.ops.placement import parse_cpu_list
 from deltarl.scheduler.store import SchedulerStore
 from deltarl.sim.schedule_model import POLICIES, CostModel, PromptGroup, Workload, run_policy
-from deltarl.up import cpu_placement, rollout_names
+from deltarl.up import CHECKPOINT_DIR, cpu_placement, rollout_names
 
 GROUPS_PER_STEP = 8  # the tiny profile's (deltarl/up_models.py)
 REAL_TASKS: dict[str, tuple[str, ...]] = {
@@ -72,16 +73,21 @@ def engine_cpus(cpus: Sequence[str], rollouts: int) -> tuple[str | None, int]:
     return placed.get(names[0]), sum(1 for n in names if on(n) & first)
 
 
-def up_summary(label: str, *args: str) -> dict[str, Any]:
-    """``deltarl up --json ARGS`` in a process of its own; its summary (RuntimeError with the
-    end of its log if it fails)."""
-    cmd = [sys.executable, "-m", "deltarl.cli", "up", "--json", *args]
+def up_summary(label: str, workdir: Path, *args: str) -> dict[str, Any]:
+    """``deltarl up --json --workdir WORKDIR ARGS`` in a process of its own; its summary
+    (RuntimeError with the end of its log if it fails).
+
+    A run that finished leaves its logs, stores and curves in ``workdir`` but not its
+    checkpoints: a bench reads the stores, never restarts a run, and a SmolLM2 run's
+    checkpoints are 5.5 GB (three convergence runs filled a disk). A failed run keeps them."""
+    cmd = [sys.executable, "-m", "deltarl.cli", "up", "--json", "--workdir", str(workdir), *args]
     proc = subprocess.run(  # noqa: S603 - our own entry point
         cmd, capture_output=True, text=True, timeout=7200, check=False
     )
     if proc.returncode != 0:
         raise RuntimeError(f"deltarl up ({label}) failed:\n{proc.stderr[-4000:]}")
     summary: dict[str, Any] = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    shutil.rmtree(workdir / CHECKPOINT_DIR, ignore_errors=True)
     return summary
 
 
@@ -137,9 +143,9 @@ def run_real(
     for policy in POLICIES:
         workdir = root / policy
         summary = up_summary(
-            f"--policy {policy}",
+            f"--policy {policy}", workdir,
             "--model", "tiny", "--steps", str(steps), "--rollouts", str(rollouts),
-            "--policy", policy, "--max-policy-lag", str(lag), "--workdir", str(workdir),
+            "--policy", policy, "--max-policy-lag", str(lag),
             "--lag-rule", lag_rule, *pinning, *REAL_TASKS[task],
         )  # fmt: skip
         real, trace = _store(workdir)

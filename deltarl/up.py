@@ -81,6 +81,7 @@ from deltarl.up_summary import Progress, SummaryError, print_summary, summarise
 
 ORDER = ("scheduler", "trainer", "export", "apply", "rollout")
 START_TIMEOUT_S = 900.0
+CHECKPOINT_DIR = "checkpoints"  # the trainer's checkpoints, inside the run directory
 
 
 def default_home() -> Path:
@@ -176,7 +177,7 @@ def write_config(run: Run, model_dir: Path, args: argparse.Namespace) -> None:
             "published_store": "published",
             "store_root": shm,
             "model_dir": str(model_dir),
-            "checkpoint_dir": str(d / "checkpoints"),
+            "checkpoint_dir": str(d / CHECKPOINT_DIR),
             "checkpoint_every": 5,
             "groups_per_step": args.groups_per_step,
             "max_steps": run.steps,

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 from deltarl.bench.schedule import DEFAULT_PROMPTS
-from deltarl.bench.schedule_real import engine_cpus, step_seconds
+from deltarl.bench.schedule_real import engine_cpus, step_seconds, up_summary
 
 from deltarl.config.rl import SchedulerConfig
 from deltarl.scheduler.policy import PredictedWait
@@ -367,3 +367,15 @@ def test_the_runs_skewness_is_the_drain_on_a_short_run_and_the_steps_on_a_long_o
     assert abs(long.skewness - long.step_skewness) < 0.03
     assert long.skewness <= 1.10
     assert DEFAULT_PROMPTS == 128 * 128  # the default: 128 steps of the default 128 groups
+
+
+def test_a_failed_real_run_keeps_its_checkpoints(tmp_path: Path) -> None:
+    """The bench drops a run's checkpoints only once the run has finished (its stores are what
+    it reads; a SmolLM2 run's checkpoints are 5.5 GB); a run that failed keeps them for whoever
+    looks into it, and the error carries the end of its log. (The slow convergence test checks
+    that finished runs' checkpoints are gone.)"""
+    kept = tmp_path / "checkpoints" / "step-5"
+    kept.mkdir(parents=True)
+    with pytest.raises(RuntimeError, match=r"deltarl up \(bad\) failed:(.|\n)*--steps"):
+        up_summary("bad", tmp_path, "--steps", "not-a-number")
+    assert kept.is_dir()

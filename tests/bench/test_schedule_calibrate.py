@@ -122,6 +122,9 @@ def test_convergence_runs_three_loops_on_the_same_samples_and_draws_them(tmp_pat
         assert r["clip_frac_mean"] == 0.0
         assert 0.0 <= r["cap_frac_mean"] <= 1.0
         assert r["reward_tail_mean"] == r["reward_curve"][-1]["reward"]  # a quarter of 3
+        # each run keeps its stores and logs for reading, not its checkpoints
+        assert (Path(r["run"]) / "scheduler.sqlite").is_file()
+        assert not (Path(r["run"]) / "checkpoints").exists()
     # Fresh samples and passes at the weights the engine serves: the trainer's policy is the
     # sampler's, so no importance weight reaches the cap and the KL to it is rounding.
     assert runs["sync"]["cap_frac_mean"] == 0.0
