@@ -151,9 +151,10 @@ class RLTrainerConfig(DaemonTable):
     one step their log-probabilities of the engine's next samples were 0.22 nats from the
     engine's on average (1.4-2.2% of tokens capped by the decoupled objective under a
     synchronous loop), against 7e-6 at the published weights (deltarl/trainer/grpo.py).
-    Which learns more is not settled: "published" 1.9x the reward on the tiny model (2
-    seeds), but on SmolLM2 a synchronous loop at the master weights learned as much or a
-    little more over 15 steps (1.13-1.34x the reward, 2 seeds; README)."""
+    Which learns more is not settled: on SmolLM2 a synchronous loop at the master weights
+    learned as much or a little more over 15 steps (1.13-1.34x the reward, 2 seeds), on the
+    tiny model "published" 1.9x in `deltarl up` (2 seeds) but less asynchronously under the
+    partial lag rule (4 seeds, within noise; README)."""
     rank_timeout_s: float = 600.0
     """How long a collective may wait for a rank that does not answer (one that died is seen
     at once): then the step fails and the daemon exits for its supervisor to restart it."""
