@@ -50,7 +50,7 @@ import orjson
 from deltarl.bench.schedule_real import REAL_TASKS, engine_cpus, run_real
 
 from deltarl.atomic_file import write_atomic
-from deltarl.config.rl import FORWARD_WEIGHTS
+from deltarl.config.rl import FORWARD_WEIGHTS, RLTrainerConfig
 from deltarl.sim.schedule_model import (
     DEFAULT_LOOKAHEAD,
     LAG_RULES,
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--forward-weights",
         choices=FORWARD_WEIGHTS,
-        default="published",
+        default=RLTrainerConfig.forward_weights,
         help="the weights the trainer's passes run at in the convergence runs (deltarl up "
         "--forward-weights; default published, the bf16 the engines serve)",
     )

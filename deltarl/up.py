@@ -70,7 +70,7 @@ import orjson
 
 from deltarl import up_curves
 from deltarl.config import write_toml
-from deltarl.config.rl import FORWARD_WEIGHTS
+from deltarl.config.rl import FORWARD_WEIGHTS, RLTrainerConfig
 from deltarl.launch import DaemonGroup
 from deltarl.ops.placement import format_cpu_list, parse_cpu_list
 from deltarl.recorded_versions import VersionRecorder
@@ -333,7 +333,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--forward-weights",
         choices=FORWARD_WEIGHTS,
-        default="published",
+        default=RLTrainerConfig.forward_weights,
         help="the weights the trainer's passes run at (default published: its float32 master "
         "weights rounded to the bf16 the engines serve; master: the float32 ones)",
     )
