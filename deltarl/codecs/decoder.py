@@ -255,6 +255,7 @@ def apply_chunk(
                     batch.zval,
                     int(coding),
                     flag,
+                    *kernels.deal(batch.counts[sel]),
                 )
     for h, coded in chunk.dense:
         spec = layout.tensors[h.tensor_id]
@@ -453,6 +454,7 @@ def _decode_sparse(
             positions,
             zval,
             errors,
+            *kernels.deal(counts[sel]),
         )
         _raise_first(errors, [group[j] for j in sel], [rs[j] for j in sel], layout, kernels.ERRORS)
         if not rice.all():

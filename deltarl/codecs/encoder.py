@@ -52,6 +52,9 @@ from deltarl.codecs.values import encode_values
 from deltarl.engine.layout import Layout, dtype_of
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+# What a changed element costs the diff kernel, in unchanged elements scanned (measured on
+# two threads: ~0.4 ns to scan an element, 15-19 ns to diff and code a change).
+CHANGE_COST_ELEMS = 40
 DEFAULT_DENSE_THRESHOLD = 0.30
 # Items are the unit of parallel work and of a record; 1M elements keeps both cores busy on
 # a large tensor and keeps a record well under the chunk size.
@@ -122,6 +125,9 @@ class DeltaEncoder:
             64, min(item_elems, chunk_bytes // 4 // 8, MAX_DECODED_ELEMS) // 64 * 64
         )
         self._scratch: dict[int, SparseScratch] = {}
+        # Changed elements per item (tensor id, start) in the last version encoded: the
+        # next version's best guess of where the work lies, for dealing items to threads.
+        self._changed_before: dict[tuple[int, int], int] = {}
 
     # -- public -----------------------------------------------------------------------------
 
@@ -331,6 +337,9 @@ class DeltaEncoder:
         bits = np.dtype(f"<u{itemsize}")
         # every tensor of one call has the same kind (_encode_wave groups by width and kind)
         is_float = dtype_of(self.layout.tensors[tids[0]].dtype).kind == "float"
+        keys = list(zip(owner.tolist(), local.tolist(), strict=True))
+        before = np.array([self._changed_before.get(k, 0) for k in keys], np.int64)
+        order, bounds = kernels.deal(lengths + CHANGE_COST_ELEMS * before)
         kernels.encode_sparse(
             ref.view(bits),
             cur.view(bits),
@@ -352,7 +361,10 @@ class DeltaEncoder:
             val_k,
             pos_len,
             val_len,
+            order,
+            bounds,
         )
+        self._changed_before.update(zip(keys, counts.tolist(), strict=True))
 
         # Position coding per tensor: dense past the threshold, else the smaller of Rice and
         # a bitmap by exact size (Rice wins for scattered changes, bitmaps for long runs).
