@@ -80,6 +80,10 @@ MANTISSA_CTX = 4  # a 2-bit tree (nodes 1..3) per bit length
 MIN_DECISION_BITS = 0.0219
 # Adaptive decisions a number costs at least: nb < 4?, then the 2-bit tree.
 MIN_DECISIONS_PER_NUMBER = 3
+# What a changed element costs the kernels, in elements walked, for dealing items to threads:
+# a change is ~8-12 range-coder decisions (~5.7 ns each), an element a class lookup and a
+# countdown (~1-2 ns); a rough ratio, which only evens the threads' loads.
+CHANGE_COST_ELEMS = 40
 # Bytes a stream has besides its decisions: the encoder's first (always zero) byte and the
 # four its flush leaves.
 OVERHEAD_BYTES = 5
@@ -404,31 +408,33 @@ def encode_conditioned(
     cap_off,
     cap,
     sizes,  # out int64[n]: bytes each item's stream needs (> cap[i]: it did not fit)
+    order,  # int64[n]: the items, thread by thread (kernels.deal)
+    bounds,  # int64[threads + 1]
 ):
-    n_items = starts.shape[0]
-    for t in prange(n_items):
-        i = (2 * t) if t < (n_items + 1) // 2 else 2 * (t - (n_items + 1) // 2) + 1
-        if counts[i] == 0:
-            sizes[i] = 0
-            continue
-        d0 = cap_off[i]
-        sizes[i] = (
-            _encode_item(
-                ref,
-                starts[i],
-                lengths[i],
-                pos,
-                zval,
-                out_off[i],
-                counts[i],
-                shift,
-                mask,
-                dst,
-                d0,
-                d0 + cap[i],
+    for th in prange(bounds.shape[0] - 1):
+        for q in range(bounds[th], bounds[th + 1]):
+            i = order[q]
+            if counts[i] == 0:
+                sizes[i] = 0
+                continue
+            d0 = cap_off[i]
+            sizes[i] = (
+                _encode_item(
+                    ref,
+                    starts[i],
+                    lengths[i],
+                    pos,
+                    zval,
+                    out_off[i],
+                    counts[i],
+                    shift,
+                    mask,
+                    dst,
+                    d0,
+                    d0 + cap[i],
+                )
+                - d0
             )
-            - d0
-        )
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -485,26 +491,28 @@ def decode_conditioned(
     positions,  # uint32 out (relative to each record's start)
     zval,  # out: coded values, uintN (N >= the element width)
     errors,  # int64 out
+    order,  # int64[n]: the records, thread by thread (kernels.deal)
+    bounds,  # int64[threads + 1]
 ):
     """Decode every record's positions and coded values, walking its reference range.
 
     Never reads outside a record's stream region or reference range, never writes outside
     its output region (at most ``counts[i]`` elements); the caller checks the regions."""
-    n_items = counts.shape[0]
-    for t in prange(n_items):
-        i = (2 * t) if t < (n_items + 1) // 2 else 2 * (t - (n_items + 1) // 2) + 1
-        errors[i] = _decode_record(
-            ref,
-            bases[i],
-            lengths[i],
-            src,
-            src_off[i],
-            src_off[i] + src_len[i],
-            counts[i],
-            out_off[i],
-            shift,
-            mask,
-            vmax,
-            positions,
-            zval,
-        )
+    for th in prange(bounds.shape[0] - 1):
+        for q in range(bounds[th], bounds[th + 1]):
+            i = order[q]
+            errors[i] = _decode_record(
+                ref,
+                bases[i],
+                lengths[i],
+                src,
+                src_off[i],
+                src_off[i] + src_len[i],
+                counts[i],
+                out_off[i],
+                shift,
+                mask,
+                vmax,
+                positions,
+                zval,
+            )

@@ -549,6 +549,11 @@ def _decode_conditioned(
             positions,
             zval,
             errors,
+            *kernels.deal(
+                np.array(
+                    [rs[j].length + conditioned.CHANGE_COST_ELEMS * rs[j].changed for j in sel]
+                )
+            ),
         )
         _raise_first(
             errors, [ids[j] for j in sel], [rs[j] for j in sel], layout, conditioned.ERRORS

@@ -498,6 +498,7 @@ class DeltaEncoder:
                 cap_off,
                 cap,
                 sizes,
+                *kernels.deal(lengths[sel] + cond.CHANGE_COST_ELEMS * counts[sel]),
             )
             for j, i in enumerate(sel):
                 if sizes[j] <= cap[j]:

@@ -16,6 +16,8 @@ from deltarl.codecs import kernels
 from deltarl.codecs.decoder import VersionApply
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.engine.layout import Layout
+from tests.codecs.test_conditioned import LAYOUT as CONDITIONED_LAYOUT
+from tests.codecs.test_conditioned import _versions as conditioned_versions
 
 _real_deal = kernels.deal
 
@@ -58,17 +60,27 @@ def _delta() -> tuple[Layout, np.ndarray, np.ndarray]:
     cur = ref.copy()
     for i in range(12):
         v = layout.view(cur, f"t{i}")
-        n = [3, 400, 20, 1500][i % 4]
-        v[rng.choice(v.size, n, replace=False)] += 1
+        v[rng.choice(v.size, [3, 400, 20, 1500][i % 4], replace=False)] += 1
     f = layout.view(cur, "f")
     f[rng.choice(f.size, 300, replace=False)] += 7
     return layout, ref, cur
 
 
-def _encode_apply(layout: Layout, ref: np.ndarray, cur: np.ndarray) -> tuple[list[bytes], bytes]:
-    e = DeltaEncoder(layout, item_elems=1024).encode(cur, ref, target_version=2, base_version=1)
+def _conditioned_delta() -> tuple[Layout, np.ndarray, np.ndarray]:
+    """AdamW-like steps, which move mostly the small weights: conditioned coding pays."""
+    v = conditioned_versions()
+    return CONDITIONED_LAYOUT, v[0], v[1]
+
+
+def _encode_apply(
+    layout: Layout, ref: np.ndarray, cur: np.ndarray, *, conditioned: bool
+) -> tuple[list[bytes], bytes]:
+    enc = DeltaEncoder(layout, item_elems=1024, conditioned=conditioned)
+    e = enc.encode(cur, ref, target_version=2, base_version=1)
     chunks = [c.data for c in e]
     assert e.manifest is not None
+    if conditioned:  # the case exercises the conditioned kernels too
+        assert "conditioned" in {t.coding for t in e.manifest.tensors}
     target = ref.copy()
     va = VersionApply(layout, target, target, base=1, version=2)
     for c in chunks:
@@ -85,16 +97,20 @@ def restore_threads() -> object:
 
 
 @pytest.mark.usefixtures("restore_threads")
-def test_the_same_bytes_whichever_thread_runs_an_item(monkeypatch: pytest.MonkeyPatch) -> None:
-    layout, ref, cur = _delta()
-    chunks, applied = _encode_apply(layout, ref, cur)
+@pytest.mark.parametrize("conditioned", [False, True])
+def test_the_same_bytes_whichever_thread_runs_an_item(
+    monkeypatch: pytest.MonkeyPatch, conditioned: bool
+) -> None:
+    layout, ref, cur = _conditioned_delta() if conditioned else _delta()
+    run = functools.partial(_encode_apply, layout, ref, cur, conditioned=conditioned)
+    chunks, applied = run()
     assert applied == cur.tobytes()
     numba.set_num_threads(1)
-    assert _encode_apply(layout, ref, cur) == (chunks, applied)
+    assert run() == (chunks, applied)
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     # more threads' worth of dealing than there are threads, and the reverse of LPT's order
     monkeypatch.setattr(kernels, "deal", functools.partial(_real_deal, threads=5))
-    assert _encode_apply(layout, ref, cur) == (chunks, applied)
+    assert run() == (chunks, applied)
 
     def reversed_deal(
         costs: np.ndarray, threads: int | None = None
@@ -103,4 +119,4 @@ def test_the_same_bytes_whichever_thread_runs_an_item(monkeypatch: pytest.Monkey
         return order[::-1].copy(), bounds
 
     monkeypatch.setattr(kernels, "deal", reversed_deal)
-    assert _encode_apply(layout, ref, cur) == (chunks, applied)
+    assert run() == (chunks, applied)
