@@ -84,6 +84,14 @@ MIN_DECISIONS_PER_NUMBER = 3
 # a change is ~8-12 range-coder decisions (~5.7 ns each), an element a class lookup and a
 # countdown (~1-2 ns); a rough ratio, which only evens the threads' loads.
 CHANGE_COST_ELEMS = 40
+
+
+def work(lengths: np.ndarray, changed: np.ndarray) -> np.ndarray:
+    """Each item's cost to either kernel (every element walked, every change coded), in
+    elements: what kernels.deal shares out between threads."""
+    return lengths + CHANGE_COST_ELEMS * changed
+
+
 # Bytes a stream has besides its decisions: the encoder's first (always zero) byte and the
 # four its flush leaves.
 OVERHEAD_BYTES = 5

@@ -531,17 +531,19 @@ def _decode_conditioned(
         sel = [j for j, d in enumerate(dtypes) if d == dtype]
         shift, mask = conditioned.exponent_field(dtype)
         errors = np.zeros(len(sel), np.int64)
+        lengths = np.array([rs[j].length for j in sel], np.int64)
+        changed = np.array([rs[j].changed for j in sel], np.int64)
         conditioned.decode_conditioned(
             view,
             np.array(
                 [layout.tensors[rs[j].tensor_id].offset // itemsize + rs[j].start for j in sel],
                 np.int64,
             ),
-            np.array([rs[j].length for j in sel], np.int64),
+            lengths,
             src,
             np.array([src_off[j] for j in sel], np.int64),
             np.array([rs[j].pos_len for j in sel], np.int64),
-            np.array([rs[j].changed for j in sel], np.int64),
+            changed,
             out_off[sel],
             shift,
             mask,
@@ -549,11 +551,7 @@ def _decode_conditioned(
             positions,
             zval,
             errors,
-            *kernels.deal(
-                np.array(
-                    [rs[j].length + conditioned.CHANGE_COST_ELEMS * rs[j].changed for j in sel]
-                )
-            ),
+            *kernels.deal(conditioned.work(lengths, changed)),
         )
         _raise_first(
             errors, [ids[j] for j in sel], [rs[j] for j in sel], layout, conditioned.ERRORS

@@ -498,7 +498,7 @@ class DeltaEncoder:
                 cap_off,
                 cap,
                 sizes,
-                *kernels.deal(lengths[sel] + cond.CHANGE_COST_ELEMS * counts[sel]),
+                *kernels.deal(cond.work(lengths[sel], counts[sel])),
             )
             for j, i in enumerate(sel):
                 if sizes[j] <= cap[j]:
