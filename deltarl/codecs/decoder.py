@@ -1,9 +1,13 @@
-"""Decoding and applying chunks: validate everything first, then write.
+"""Decoding and applying chunks: a frame that fails any check writes nothing.
 
 ``decode_chunk`` checks the whole frame (checksum, versions, every length, count, index and
 range) and decodes positions and coded values into private arrays; it never touches the
-weights. ``apply_chunk`` then writes the decoded values into a target buffer. A frame that
-fails any check raises FrameError naming what is wrong, and nothing has been written.
+weights. ``apply_chunk`` then writes the decoded values into a target buffer.
+``decode_apply_chunk`` does both, writing the Rice-coded records (nearly every change of a
+delta) as they decode, once every other check of the frame has passed: a record refused then
+has its writes, and those of every record before it, put back (kernels.undo_sparse). Either
+way a frame that fails any check raises FrameError naming what is wrong, and the target holds
+what it held before.
 
 Values are reference-coded (docs/architecture.md: the receiver holds the reference, so a coder may
 condition on it), and the new bits are written absolutely. Applying a chunk computes
@@ -68,6 +72,7 @@ class DecodeScratch:
     def __init__(self) -> None:
         self._positions = np.empty(0, np.uint32)
         self._zval: dict[int, np.ndarray] = {}  # itemsize -> coded values of that width
+        self._prior: dict[int, np.ndarray] = {}  # itemsize -> bits a writing decode replaced
         self._used = 0
 
     def reset(self, total: int, itemsizes: Iterable[int]) -> None:
@@ -76,18 +81,28 @@ class DecodeScratch:
         if self._positions.shape[0] < total:
             self._positions = np.empty(total, np.uint32)
             self._zval = {}
+            self._prior = {}
         room = self._positions.shape[0]
         for size in itemsizes:
             if size not in self._zval:
                 self._zval[size] = np.empty(room, np.dtype(f"<u{size}"))
         self._used = 0
 
-    def take(self, n: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, zval) views of n elements each, after those already taken; zval at
-        ``itemsize`` bytes, one of the widths ``reset`` made room for."""
+    def take(
+        self, n: int, itemsize: int, *, writing: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions, zval, prior) views of n elements each, after those already taken;
+        zval at ``itemsize`` bytes, one of the widths ``reset`` made room for. ``prior``, slot
+        for slot with zval, receives the bits a writing decode replaces; it is made on first
+        use (only a decode that writes needs it) and empty when not ``writing``."""
         a, b = self._used, self._used + n
         self._used = b
-        return self._positions[a:b], self._zval[itemsize][a:b]
+        zval = self._zval[itemsize]
+        if not writing:
+            return self._positions[a:b], zval[a:b], zval[:0]
+        if itemsize not in self._prior:
+            self._prior[itemsize] = np.empty_like(zval)
+        return self._positions[a:b], zval[a:b], self._prior[itemsize][a:b]
 
 
 _thread_scratch = threading.local()
@@ -112,6 +127,7 @@ class SparseBatch:
     out_off: np.ndarray  # int64[n]: each record's region in positions / zval
     positions: np.ndarray  # uint32: ascending within a record, relative to its start
     zval: np.ndarray  # uintN (the element width): coded values
+    rice: np.ndarray  # bool[n]: decoded by kernels.decode_sparse (Rice or bitmap positions)
 
     def bases(self, layout: Layout) -> np.ndarray:
         """Each record's first element, as an index into the buffer viewed at this width."""
@@ -166,11 +182,46 @@ def decode_chunk(
     (their coding walks its exponents); a chunk that has some is refused without it.
     """
     try:
-        return _decode_chunk(data, layout, base, target, scratch, reference)
+        return _decode_chunk(data, layout, base, target, scratch, reference, None)
     except MemoryError as exc:
         # Every allocation is bounded by the frame's bytes and MAX_RAW_BYTES before it is
         # made; a frame that still does not fit is refused like any other (nothing written).
         raise FrameError(f"frame refused: decoding it ran out of memory ({exc!r})") from exc
+
+
+def decode_apply_chunk(
+    data: bytes | bytearray | memoryview,
+    layout: Layout,
+    into: np.ndarray,
+    reference: np.ndarray | None,
+    *,
+    base: int | None,
+    target: int | None,
+    scratch: DecodeScratch | None = None,
+) -> DecodedChunk:
+    """``decode_chunk`` and then ``apply_chunk(chunk, layout, into, reference)``, with the
+    Rice-coded records written as they decode (kernels.decode_sparse). A frame refused
+    leaves ``into`` as it was: everything else is checked before the first write, and a
+    record the kernel refuses has the chunk's writes put back. Returns the decoded chunk
+    (views into ``scratch``, as decode_chunk's), which applies the same writes again
+    elsewhere with ``apply_chunk``.
+
+    Only a MemoryError while writing the conditioned and dense records, after the Rice
+    records are written, leaves ``into`` partly written: it raises FrameError saying so.
+    """
+    try:
+        chunk = _decode_chunk(data, layout, base, target, scratch, reference, into)
+    except MemoryError as exc:
+        raise FrameError(f"frame refused: decoding it ran out of memory ({exc!r})") from exc
+    try:
+        # without a reference every record is raw (checked in _decode_chunk): never read
+        _write(chunk, layout, into, into if reference is None else reference, rice_written=True)
+    except MemoryError as exc:
+        raise FrameError(
+            f"chunk {chunk.header.chunk_id} of version {chunk.header.target}: ran out of memory "
+            f"while writing it; the target is partly written ({exc!r})"
+        ) from exc
+    return chunk
 
 
 def _decode_chunk(
@@ -180,6 +231,7 @@ def _decode_chunk(
     target: int | None,
     scratch: DecodeScratch | None,
     reference: np.ndarray | None,
+    into: np.ndarray | None,
 ) -> DecodedChunk:
     buf = memoryview(data).cast("B")
     header = check_frame(buf)
@@ -201,9 +253,12 @@ def _decode_chunk(
             raise FrameError(f"stream {i}: reserved fields are not zero")
         streams.append(StreamHeader(kind, comp, raw_len, wire_len))
     check_records(header, records, layout)
+    if into is not None and reference is None:
+        _check_raw(records)  # before anything is written, as apply_chunk checks it
     raw = read_streams(header, records, streams, body[tables:])
-    sparse = _decode_sparse(records, raw, layout, scratch or DecodeScratch(), reference)
+    # The dense records first: with ``into``, _decode_sparse's last step writes.
     dense = _split_planes(records, raw)
+    sparse = _decode_sparse(records, raw, layout, scratch or DecodeScratch(), reference, into)
     return DecodedChunk(header, records, sparse, dense, len(buf))
 
 
@@ -230,19 +285,38 @@ def apply_chunk(
     Both are flat uint8 buffers laid out by ``layout``; reference may be target (in place).
     """
     if reference is None:
-        if any(r.val_coding != VAL_RAW for r in chunk.records):
-            raise FrameError("the chunk is reference-coded and no reference was given")
+        _check_raw(chunk.records)
         reference = target  # never read: every record carries raw values
+    _write(chunk, layout, target, reference, rice_written=False)
+
+
+def _check_raw(records: list[RecordHeader]) -> None:
+    """FrameError unless every record carries raw values (needs no reference)."""
+    if any(r.val_coding != VAL_RAW for r in records):
+        raise FrameError("the chunk is reference-coded and no reference was given")
+
+
+def _write(
+    chunk: DecodedChunk,
+    layout: Layout,
+    target: np.ndarray,
+    reference: np.ndarray,
+    *,
+    rice_written: bool,
+) -> None:
+    """apply_chunk's writes; with ``rice_written``, not those of the records
+    decode_apply_chunk wrote as it decoded them."""
     for batch in chunk.sparse:
+        left = ~batch.rice if rice_written else np.ones(len(batch.rice), bool)
+        if not left.any():  # the common case after decode_apply_chunk: every record written
+            continue
         bits = np.dtype(f"<u{batch.itemsize}")
         bases = batch.bases(layout)
-        is_float = np.array(
-            [dtype_of(layout.tensors[t].dtype).kind == "float" for t in batch.tensor_ids]
-        )
+        is_float = _floats(layout, batch.tensor_ids)
         # one scatter per (value coding, float or int): the kernel is specialised on both
-        for coding in np.unique(batch.codings):
+        for coding in np.unique(batch.codings[left]):
             for flag in (True, False):
-                sel = (is_float == flag) & (batch.codings == coding)
+                sel = left & (is_float == flag) & (batch.codings == coding)
                 if not sel.any():
                     continue
                 kernels.scatter_sparse(
@@ -263,6 +337,11 @@ def apply_chunk(
         where = slice(h.start, h.start + h.length)
         old = None if h.val_coding == VAL_RAW else layout.view(reference, h.tensor_id)[where]
         layout.view(target, h.tensor_id)[where] = decode_values(coded, old, h.val_coding, is_float)
+
+
+def _floats(layout: Layout, tensor_ids: np.ndarray) -> np.ndarray:
+    """bool per record: its tensor holds floats (whose bits are ordered before coding)."""
+    return np.array([dtype_of(layout.tensors[t].dtype).kind == "float" for t in tensor_ids], bool)
 
 
 class ChecksumMismatchError(ValueError):
@@ -334,23 +413,18 @@ class VersionApply:
                     f"different checksums ({seen:016x} then {header.checksum:016x})"
                 )
             return False
-        decoded = decode_chunk(
+        # A MemoryError while writing leaves the target partly written (FrameError saying
+        # so): this version's apply is refused as a whole (the caller fails it), so the
+        # half-written target is never activated.
+        decoded = decode_apply_chunk(
             data,
             self.layout,
+            self.target,
+            self.reference,
             base=self.base,
             target=self.version,
             scratch=_default_scratch(),
-            reference=self.reference,
         )
-        try:
-            apply_chunk(decoded, self.layout, self.target, self.reference)
-        except MemoryError as exc:
-            # Dense records may have been written: this version's apply is refused as a whole
-            # (the caller fails it), so the half-written target is never activated.
-            raise FrameError(
-                f"chunk {header.chunk_id} of version {self.version}: ran out of memory while "
-                f"writing it; the target is partly written ({exc!r})"
-            ) from exc
         self.applied[header.chunk_id] = header.checksum
         if self.keep is not None:
             self.keep.append(owned(decoded))
@@ -392,9 +466,15 @@ def _decode_sparse(
     layout: Layout,
     scratch: DecodeScratch,
     reference: np.ndarray | None,
+    into: np.ndarray | None,
 ) -> list[SparseBatch]:
-    """Decode every sparse record's positions and coded values, one kernel call per width
-    (and one more per width for conditioned records)."""
+    """Decode every sparse record's positions and coded values: the conditioned records (one
+    kernel call per float type), then the rest (one call per width).
+
+    With ``into``, the second pass also writes its records into ``into`` (reading
+    ``reference``): it comes after every other check of the chunk, and when it refuses a
+    record, or fails any other way, what it wrote is put back before the error goes on.
+    """
     ids = [i for i, r in enumerate(records) if r.pos_coding != POS_DENSE]
     if not ids:
         return []
@@ -425,38 +505,19 @@ def _decode_sparse(
     widths = sorted({records[i].itemsize for i in ids})
     scratch.reset(sum(records[i].changed for i in ids), widths)
     batches = []
+    rice_ids: list[list[int]] = []  # per width: the records its Rice pass decodes
+    priors = []
     for itemsize in widths:
         group = [i for i in ids if records[i].itemsize == itemsize]
         rs = [records[i] for i in group]
         counts = np.array([r.changed for r in rs], np.int64)
         out_off = np.zeros(len(rs), np.int64)
         np.cumsum(counts[:-1], out=out_off[1:])
-        positions, zval = scratch.take(int(counts.sum()), itemsize)
+        positions, zval, prior = scratch.take(int(counts.sum()), itemsize, writing=into is not None)
         for j, i in enumerate(group):
             if i in bitmaps:
                 positions[out_off[j] : out_off[j] + counts[j]] = bitmaps[i]
         rice = np.array([i not in cond_off for i in group])
-        sel = np.flatnonzero(rice)
-        errors = np.zeros(len(sel), np.int64)
-        kernels.decode_sparse(
-            itemsize * 8,
-            rice_src,
-            np.array([pos_off[group[j]] for j in sel], np.int64),
-            np.array([rs[j].pos_len for j in sel], np.int64),
-            np.array([rs[j].pos_k for j in sel], np.int64),
-            val_src,
-            np.array([val_off[group[j]] for j in sel], np.int64),
-            np.array([rs[j].val_len for j in sel], np.int64),
-            np.array([rs[j].val_k for j in sel], np.int64),
-            counts[sel],
-            np.array([rs[j].length for j in sel], np.int64),
-            out_off[sel],
-            positions,
-            zval,
-            errors,
-            *kernels.deal(counts[sel]),
-        )
-        _raise_first(errors, [group[j] for j in sel], [rs[j] for j in sel], layout, kernels.ERRORS)
         if not rice.all():
             cond = np.flatnonzero(~rice)
             _decode_conditioned(
@@ -480,9 +541,100 @@ def _decode_sparse(
                 out_off,
                 positions,
                 zval,
+                rice,
             )
         )
+        rice_ids.append([group[j] for j in np.flatnonzero(rice)])
+        priors.append(prior)
+    written: list[tuple[np.ndarray, ...]] = []  # undo_sparse's arguments, a call each
+    try:
+        for batch, rice_group, prior in zip(batches, rice_ids, priors, strict=True):
+            _decode_rice(
+                rice_group,
+                batch,
+                records,
+                pos_off,
+                val_off,
+                rice_src,
+                val_src,
+                layout,
+                into,
+                reference,
+                prior,
+                written,
+            )
+    except BaseException:
+        # Every argument was made before its kernel wrote: undoing allocates nothing of size
+        # (which a frame refused for running out of memory could not count on).
+        for args in written:
+            kernels.undo_sparse(*args)
+        raise
     return batches
+
+
+def _decode_rice(
+    ids: list[int],
+    batch: SparseBatch,
+    records: list[RecordHeader],
+    pos_off: dict[int, int],
+    val_off: dict[int, int],
+    rice_src: np.ndarray,
+    val_src: np.ndarray,
+    layout: Layout,
+    into: np.ndarray | None,
+    reference: np.ndarray | None,
+    prior: np.ndarray,
+    written: list[tuple[np.ndarray, ...]],
+) -> None:
+    """Decode one width's Rice-coded and bitmap records into ``batch``'s arrays and, with
+    ``into``, write them; a writing call appends undo_sparse's arguments to ``written``
+    before it starts."""
+    sel = np.flatnonzero(batch.rice)
+    if not sel.size:
+        return
+    rs = [records[i] for i in ids]
+    bits = np.dtype(f"<u{batch.itemsize}")
+    write = into is not None
+    errors = np.zeros(len(sel), np.int64)
+    done = np.zeros(len(sel), np.int64)
+    if write:
+        bases = batch.bases(layout)[sel]
+        target, ref = into.view(bits), (into if reference is None else reference).view(bits)
+    else:
+        bases = np.zeros(0, np.int64)
+        target = ref = np.zeros(0, bits)
+    order, bounds = kernels.deal(batch.counts[sel])
+    out_off = batch.out_off[sel]
+    if write:
+        written.append((target, bases, done, out_off, batch.positions, prior, order, bounds))
+    kernels.decode_sparse(
+        batch.itemsize * 8,
+        rice_src,
+        np.array([pos_off[i] for i in ids], np.int64),
+        np.array([r.pos_len for r in rs], np.int64),
+        np.array([r.pos_k for r in rs], np.int64),
+        val_src,
+        np.array([val_off[i] for i in ids], np.int64),
+        np.array([r.val_len for r in rs], np.int64),
+        np.array([r.val_k for r in rs], np.int64),
+        batch.counts[sel],
+        np.array([r.length for r in rs], np.int64),
+        out_off,
+        batch.positions,
+        batch.zval,
+        errors,
+        order,
+        bounds,
+        write,
+        target,
+        ref,
+        bases,
+        batch.codings[sel],
+        _floats(layout, batch.tensor_ids[sel]) if write else np.zeros(0, bool),
+        prior,
+        done,
+    )
+    _raise_first(errors, ids, rs, layout, kernels.ERRORS)
 
 
 def _raise_first(
