@@ -6,7 +6,11 @@ reference the receivers hold), applies the chunks to a copy of the previous vers
 the result bit for bit against the trainer's version, and reports:
 
 - encode_gbps: model bytes per second of diff + coding + compression + checksums;
-- apply_gbps: model bytes per second of decode + scatter + verifying every tensor's xxh3-128;
+- apply_gbps: model bytes per second of decode + scatter + verifying every tensor's xxh3-128,
+  in place (the buffer written is the reference: a receiver that holds one copy);
+- apply_two_buffers_gbps: the same, reading the reference from one buffer and writing the
+  other, which holds the same version (as the apply agent does: it reads the active buffer
+  and writes the inactive one, brought to the active version by the kept delta);
 - memcpy_gbps: a copy of the same number of bytes, measured in the same run;
 - bytes_per_change against entropy_bytes_per_change (codecs/entropy.py: positions i.i.d.,
   values priced as their XOR with the reference), entropy_ordered_bytes_per_change (the same
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import sys
 import time
@@ -177,8 +182,10 @@ def run(
     for step, (ref, cur) in enumerate(source, start=1):
         memcpy.append(memcpy_gbps(layout.nbytes))
 
-        chunks, encode_s, apply_s, bit_exact = _measure(encoder, layout, ref, cur, step, repeat)
-        c_chunks, c_encode_s, c_apply_s, c_exact = _measure(
+        chunks, encode_s, (apply_s, two_s), bit_exact = _measure(
+            encoder, layout, ref, cur, step, repeat, two_buffers=True
+        )
+        c_chunks, c_encode_s, (c_apply_s, _), c_exact = _measure(
             conditioned_encoder, layout, ref, cur, step, repeat
         )
         changed, bound = iid_bound_bytes_per_change(layout, ref, cur)
@@ -199,6 +206,7 @@ def run(
                 "entropy_conditioned_bytes_per_change": conditioned,
                 "encode_gbps": model_bytes / encode_s / 1e9,
                 "apply_gbps": model_bytes / apply_s / 1e9,
+                "apply_two_buffers_gbps": model_bytes / two_s / 1e9,
                 "bit_exact": bit_exact,
                 # the same delta coded against the reference's exponents (conditioned.py),
                 # measured beside the default coding in the same run
@@ -223,9 +231,17 @@ def run(
 
 
 def _measure(
-    encoder: DeltaEncoder, layout: Layout, ref: np.ndarray, cur: np.ndarray, step: int, repeat: int
-) -> tuple[list[Chunk], float, float, bool]:
-    """(chunks, encode seconds, apply seconds, bit-exact) of one encoder on one delta."""
+    encoder: DeltaEncoder,
+    layout: Layout,
+    ref: np.ndarray,
+    cur: np.ndarray,
+    step: int,
+    repeat: int,
+    *,
+    two_buffers: bool = False,
+) -> tuple[list[Chunk], float, tuple[float, float], bool]:
+    """(chunks, encode seconds, (apply seconds in place, into another buffer: NaN unless
+    ``two_buffers``), bit-exact every time) of one encoder on one delta."""
     out: dict[str, Any] = {}
 
     def encode() -> None:
@@ -237,16 +253,27 @@ def _measure(
     chunks: list[Chunk] = out["chunks"]
     manifest: RefitManifest = out["manifest"]
     target = np.empty_like(ref)
+    exact = True
 
-    def apply() -> None:
-        # In place, as a receiver that holds one copy would: the reference is the target.
-        va = VersionApply(layout, target, target, base=step - 1, version=step)
-        for c in chunks:
-            va.apply(c.data)
-        va.verify(manifest)
+    def apply(reference: np.ndarray) -> float:
+        """Median seconds to apply and verify into ``target`` (holding ``ref`` first)."""
+        nonlocal exact
 
-    apply_s = _median_time(apply, repeat, setup=lambda: np.copyto(target, ref))
-    return chunks, encode_s, apply_s, bool(np.array_equal(target, cur))
+        def once() -> None:
+            va = VersionApply(layout, target, reference, base=step - 1, version=step)
+            for c in chunks:
+                va.apply(c.data)
+            va.verify(manifest)
+
+        seconds = _median_time(once, repeat, setup=lambda: np.copyto(target, ref))
+        exact = exact and bool(np.array_equal(target, cur))
+        return seconds
+
+    # In place, as a receiver that holds one copy would: the reference is the target. Then
+    # (two_buffers) reading the reference from another buffer, as the apply agent does.
+    in_place = apply(target)
+    other = apply(ref) if two_buffers else math.nan
+    return chunks, encode_s, (in_place, other), exact
 
 
 def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
@@ -259,6 +286,7 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
         bound = s["entropy_bytes_per_change"]
         ratio = s["bytes_per_change"] / bound if bound else 0.0
         enc, app = s["encode_gbps"] / mem, s["apply_gbps"] / mem
+        two = s["apply_two_buffers_gbps"] / mem
         step = f"step {s['step']}"
         rows += [
             (f"{step}: bit-exact", s["bit_exact"]),
@@ -268,6 +296,10 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
             ),
             (f"{step}: encode {enc:.2f}x memcpy (target >= {enc_t})", enc >= enc_t),
             (f"{step}: apply {app:.2f}x memcpy (target >= {app_t})", app >= app_t),
+            (
+                f"{step}: apply into the other buffer {two:.2f}x memcpy (target >= {app_t})",
+                two >= app_t,
+            ),
         ]
         c = s["conditioned"]
         cond_t = TARGETS["conditioned_vs_ordered_bound"]
@@ -308,6 +340,11 @@ def render(result: dict[str, Any]) -> str:
         for s in result["steps"]
     ]
     lines.append("")
+    for s in result["steps"]:
+        lines.append(
+            f"  step {s['step']} apply into the other buffer (reading the reference from the "
+            f"active one, as the apply agent does): {s['apply_two_buffers_gbps']:.2f} GB/s"
+        )
     for s in result["steps"]:
         c = s["conditioned"]
         lines.append(

@@ -16,6 +16,7 @@ STEP_KEYS = {
     "entropy_conditioned_bytes_per_change": float,
     "encode_gbps": float,
     "apply_gbps": float,
+    "apply_two_buffers_gbps": float,
     "bit_exact": bool,
     "conditioned": dict,
 }
