@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
-BENCHES = ("codec", "refit", "samples", "schedule", "export-cost")
+BENCHES = ("codec", "refit", "samples", "schedule", "export-cost", "gpu-apply")
 DAEMONS = {
     "trainer": "run the trainer daemon (--synthetic: a simulated policy)",
     "export": "run the export agent: diff, encode and send each published version",

@@ -4,7 +4,10 @@
 #   2. run the GPU-marked tests (tests/gpu: SmolLM2 in bf16 on the GPU, refits bit-exact inside
 #      the engine, async scheduling off, tokens keep their version across a refit) and the
 #      rollout-engine tests, which run on whatever platform vLLM finds;
-#   3. run `deltarl up` on SmolLM2 with two rollout engines on the one GPU (each with a 0.3
+#   3. time a decoded delta scattered into device memory against copying the whole model
+#      host -> device (`deltarl bench gpu-apply`, the 98M model and the largest that fits, up
+#      to 8B parameters): which path worker_ext should take on this GPU;
+#   4. run `deltarl up` on SmolLM2 with two rollout engines on the one GPU (each with a 0.3
 #      share of its memory), and print the figures: steps/s, refit time, engine tokens/s.
 # The trainer trains on the GPU too (device = "auto"). Figures go to $OUT (default ./gpu-check).
 set -euo pipefail
@@ -20,6 +23,13 @@ export DELTARL_HOME="$PWD/$out/home"
   -p no:cacheprovider 2>&1 | tee "$out/tests.txt" | grep -E "GPU engine|passed|failed|error" || true
 .venv/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -p no:cacheprovider \
   2>&1 | tail -n 1 | tee -a "$out/tests.txt"
+
+.venv/bin/deltarl bench gpu-apply --params 98000000 --largest --json > "$out/gpu_apply.json"
+.venv/bin/python - "$out/gpu_apply.json" <<'PY'
+import json, sys
+from deltarl.bench.gpu_apply import render
+print(render(json.load(open(sys.argv[1]))))
+PY
 
 # Two engines on one GPU: each its own vLLM process, so each must leave room for the other.
 .venv/bin/deltarl up --model smollm2-135m --steps 10 --rollouts 2 --json \
