@@ -19,6 +19,10 @@ the result bit for bit against the trainer's version, and reports:
   entropy_conditioned_bytes_per_change (what a coder could reach that conditions on what
   both sides hold: each element's reference exponent and whether it changed in the previous
   delta, with an adaptive coder's cost of learning its model; step 1 has no previous delta);
+- classed_rice_bytes_per_change: the exact size of a coding not built yet, today's Rice
+  coding per class of reference exponent (``entropy.classed_rice_bytes_per_change``: eight
+  classes around each record's median changed exponent), pricing how much of the
+  conditioned gain survives with coding as cheap as today's;
 - conditioned: the same delta coded against the reference's exponents as well
   (``DeltaEncoder(conditioned=True)``, codecs/conditioned.py), each range kept in whichever
   coding is smaller: its wire bytes, bytes per change, ratio to the ordered bound (target at
@@ -58,6 +62,7 @@ from deltarl.codecs.decoder import VersionApply
 from deltarl.codecs.encoder import Chunk, DeltaEncoder
 from deltarl.codecs.entropy import (
     changed_mask,
+    classed_rice_bytes_per_change,
     conditioned_bound_bytes_per_change,
     iid_bound_bytes_per_change,
     ordered_bound_bytes_per_change,
@@ -191,6 +196,7 @@ def run(
         changed, bound = iid_bound_bytes_per_change(layout, ref, cur)
         _, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
         _, conditioned = conditioned_bound_bytes_per_change(layout, ref, cur, previous)
+        _, classed = classed_rice_bytes_per_change(layout, ref, cur)
         previous = changed_mask(layout, ref, cur)
         wire = sum(len(c.data) for c in chunks)
         c_wire = sum(len(c.data) for c in c_chunks)
@@ -204,6 +210,7 @@ def run(
                 "entropy_bytes_per_change": bound,
                 "entropy_ordered_bytes_per_change": ordered,
                 "entropy_conditioned_bytes_per_change": conditioned,
+                "classed_rice_bytes_per_change": classed,
                 "encode_gbps": model_bytes / encode_s / 1e9,
                 "apply_gbps": model_bytes / apply_s / 1e9,
                 "apply_two_buffers_gbps": model_bytes / two_s / 1e9,
@@ -345,6 +352,14 @@ def render(result: dict[str, Any]) -> str:
             f"  step {s['step']} apply into the other buffer (reading the reference from the "
             f"active one, as the apply agent does): {s['apply_two_buffers_gbps']:.2f} GB/s"
         )
+    lines += [
+        f"  step {s['step']} Rice per exponent class (not built; its exact size): "
+        f"{s['classed_rice_bytes_per_change']:.3f} B/change ("
+        f"{s['classed_rice_bytes_per_change'] / s['entropy_ordered_bytes_per_change']:.3f}x "
+        "the ordered bound)"
+        for s in result["steps"]
+        if s["entropy_ordered_bytes_per_change"]
+    ]
     for s in result["steps"]:
         c = s["conditioned"]
         lines.append(

@@ -17,6 +17,7 @@ STEP_KEYS = {
     "encode_gbps": float,
     "apply_gbps": float,
     "apply_two_buffers_gbps": float,
+    "classed_rice_bytes_per_change": float,
     "bit_exact": bool,
     "conditioned": dict,
 }

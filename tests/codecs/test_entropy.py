@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 
 from deltarl.codecs.entropy import (
+    CLASS_HEADER_BITS,
     binary_entropy,
     change_contexts,
     changed_mask,
+    classed_rice_bytes_per_change,
     conditioned_bound_bytes_per_change,
     empirical_entropy_bits,
     iid_bound_bytes_per_change,
     ordered_bound_bytes_per_change,
+    rice_bits,
 )
 from deltarl.engine.layout import Layout
 
@@ -134,3 +137,45 @@ def test_the_conditioned_bound_sees_what_the_reference_predicts() -> None:
     assert previous.sum() == 32
     _, again = conditioned_bound_bytes_per_change(layout, ref, cur, previous)
     assert again == pytest.approx(regret / 32 / 8)
+
+
+def _rice_by_hand(x: list[int], width: int) -> int:
+    return min(
+        sum(v // 2**k + 1 + k if v // 2**k < width else 2 * width for v in x)
+        for k in range(min(width, 32))
+    )
+
+
+@pytest.mark.parametrize("width", [16, 32])
+def test_rice_bits_is_the_best_parameter_s_exact_size_escapes_included(width: int) -> None:
+    rng = np.random.default_rng(7)
+    for x in ([0], [5, 0, 3], list(rng.geometric(0.05, 200)), [0] * 50 + [1 << (width - 1)]):
+        assert rice_bits(np.array(x, np.uint64), width) == _rice_by_hand(x, width)
+    assert rice_bits(np.array([], np.uint64), width) == 0
+
+
+def test_rice_per_exponent_class_prices_what_the_reference_predicts() -> None:
+    """The 64 elements of the conditioned bound's case: the 32 at 1.0 all move one ulp, the 32
+    at 4.0 never do. One class for all: gaps 0, 1, 1, ... (63 bits at k = 0) and values of
+    one ulp (zigzag 2, coded as 1: 64 bits). Classed around the changed elements' median
+    exponent (1.0's), the elements at 1.0 are one class whose gaps are all 0 (32 bits), the
+    elements at 4.0 another that never changed (its presence bit only)."""
+    layout = Layout.pack([("w", "bfloat16", (64,))])
+    ref = np.zeros(layout.nbytes, np.uint8)
+    w = layout.view(ref, "w")
+    w[::2], w[1::2] = ONE, FOUR
+    cur = ref.copy()
+    layout.view(cur, "w")[::2] = ONE + 1
+    changed, one = classed_rice_bytes_per_change(layout, ref, cur, classes=1)
+    assert (changed, one) == (32, pytest.approx((1 + CLASS_HEADER_BITS + 63 + 64) / 32 / 8))
+    _, eight = classed_rice_bytes_per_change(layout, ref, cur, classes=8)
+    assert eight == pytest.approx((8 + 8 + CLASS_HEADER_BITS + 32 + 64) / 32 / 8)
+    # an integer tensor has no exponent: one class, whatever ``classes`` says
+    ints = Layout.pack([("n", "int32", (64,))])
+    a = np.zeros(ints.nbytes, np.uint8)
+    b = a.copy()
+    ints.view(b, "n")[::2] = 1
+    assert classed_rice_bytes_per_change(ints, a, b, classes=8) == classed_rice_bytes_per_change(
+        ints, a, b, classes=1
+    )
+    assert classed_rice_bytes_per_change(layout, ref, ref) == (0, 0.0)
