@@ -157,6 +157,14 @@ def measure(
     def sparse() -> None:
         words.index_put_((index.to(device, non_blocking=True),), bits.to(device, non_blocking=True))
 
+    try:
+        sparse()
+        sync()
+    except RuntimeError:
+        # a torch build whose device indexing takes int64 positions only: upload those
+        index = index.to(torch.int64)
+        index = index.pin_memory() if cuda else index
+        sparse()
     sums: list[torch.Tensor] = []
     sparse_s = _median_s(sparse, repeat, sync)
     checksum_s = _median_s(lambda: sums.append(device_checksums(words, layout)), repeat, sync)

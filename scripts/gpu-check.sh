@@ -24,12 +24,19 @@ export DELTARL_HOME="$PWD/$out/home"
 .venv/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -p no:cacheprovider \
   2>&1 | tail -n 1 | tee -a "$out/tests.txt"
 
-.venv/bin/deltarl bench gpu-apply --params 98000000 --largest --json > "$out/gpu_apply.json"
-.venv/bin/python - "$out/gpu_apply.json" <<'PY'
+# A failure here is reported at the end, not fatal: deltarl up below is worth running anyway.
+gpu_apply=0
+.venv/bin/deltarl bench gpu-apply --params 98000000 --largest --json > "$out/gpu_apply.json" \
+  2> "$out/gpu_apply.txt" || gpu_apply=$?
+if [ -s "$out/gpu_apply.json" ]; then
+  .venv/bin/python - "$out/gpu_apply.json" <<'PY'
 import json, sys
 from deltarl.bench.gpu_apply import render
 print(render(json.load(open(sys.argv[1]))))
 PY
+else
+  echo "gpu-check: bench gpu-apply failed ($gpu_apply); its output:" >&2; tail -n 20 "$out/gpu_apply.txt" >&2
+fi
 
 # Two engines on one GPU: each its own vLLM process, so each must leave room for the other.
 .venv/bin/deltarl up --model smollm2-135m --steps 10 --rollouts 2 --json \
@@ -51,3 +58,4 @@ for e in s["engines"]:
           f"over the run), bit-exact {e['bit_exact']}")
 print(f"eval accuracy {s['eval_accuracy_first']} -> {s['eval_accuracy_last']}")
 PY
+[ "$gpu_apply" -eq 0 ] || { echo "gpu-check: bench gpu-apply exited $gpu_apply" >&2; exit 1; }
