@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU path in one go, on a machine with one NVIDIA GPU (under 8 minutes there):
+# The GPU path in one go, on a machine with one NVIDIA GPU (under 10 minutes there):
 #   1. install with the CUDA build of vLLM (scripts/install.sh picks it when nvidia-smi works);
 #   2. run the GPU-marked tests (tests/gpu: SmolLM2 in bf16 on the GPU, refits bit-exact inside
 #      the engine, async scheduling off, tokens keep their version across a refit) and the
