@@ -116,17 +116,23 @@ def test_contexts_are_the_tensor_the_exponent_and_the_previous_change() -> None:
     assert (change_contexts(layout, ref, None)[0] % 2 == 0).all()  # no previous delta
 
 
-def test_the_conditioned_bound_sees_what_the_reference_predicts() -> None:
-    """64 elements: the 32 at 1.0 all move one ulp, the 32 at 4.0 never do. Blind to the
-    exponent, the positions cost 64 bits (p = 1/2); conditioned on it, each context is
-    certain, and what is left is an adaptive coder's cost of learning two probabilities and
-    one value distribution: half a bit x log2(32) each."""
+def _half_moving() -> tuple[Layout, np.ndarray, np.ndarray]:
+    """64 bf16 elements alternating 1.0 and 4.0; the delta moves every 1.0 up one ulp."""
     layout = Layout.pack([("w", "bfloat16", (64,))])
     ref = np.zeros(layout.nbytes, np.uint8)
     w = layout.view(ref, "w")
     w[::2], w[1::2] = ONE, FOUR
     cur = ref.copy()
     layout.view(cur, "w")[::2] = ONE + 1
+    return layout, ref, cur
+
+
+def test_the_conditioned_bound_sees_what_the_reference_predicts() -> None:
+    """64 elements: the 32 at 1.0 all move one ulp, the 32 at 4.0 never do. Blind to the
+    exponent, the positions cost 64 bits (p = 1/2); conditioned on it, each context is
+    certain, and what is left is an adaptive coder's cost of learning two probabilities and
+    one value distribution: half a bit x log2(32) each."""
+    layout, ref, cur = _half_moving()
     changed, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
     assert (changed, ordered) == (32, pytest.approx(64 / 32 / 8))
     _, conditioned = conditioned_bound_bytes_per_change(layout, ref, cur)
@@ -160,12 +166,7 @@ def test_rice_per_exponent_class_prices_what_the_reference_predicts() -> None:
     one ulp (zigzag 2, coded as 1: 64 bits). Classed around the changed elements' median
     exponent (1.0's), the elements at 1.0 are one class whose gaps are all 0 (32 bits), the
     elements at 4.0 another that never changed (its presence bit only)."""
-    layout = Layout.pack([("w", "bfloat16", (64,))])
-    ref = np.zeros(layout.nbytes, np.uint8)
-    w = layout.view(ref, "w")
-    w[::2], w[1::2] = ONE, FOUR
-    cur = ref.copy()
-    layout.view(cur, "w")[::2] = ONE + 1
+    layout, ref, cur = _half_moving()
     changed, one = classed_rice_bytes_per_change(layout, ref, cur, classes=1)
     assert (changed, one) == (32, pytest.approx((1 + CLASS_HEADER_BITS + 63 + 64) / 32 / 8))
     _, eight = classed_rice_bytes_per_change(layout, ref, cur, classes=8)
