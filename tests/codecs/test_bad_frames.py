@@ -45,13 +45,7 @@ from tests.codecs.forge import (
     patch,
     rice_write,
 )
-from tests.codecs.sample_delta import BASE, TARGET, Case, apply_ok, assert_refused, make_case
-
-
-@pytest.fixture(scope="module")
-def case() -> Case:
-    return make_case()
-
+from tests.codecs.sample_delta import BASE, TARGET, Case, apply_ok, assert_refused
 
 # -- the baseline: the real chunk and its faithful re-sealing apply ----------------------------
 

@@ -23,14 +23,9 @@ from deltarl.codecs.decoder import (
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import POS_DENSE, POS_RICE, FrameError
 from tests.codecs.forge import Forged
-from tests.codecs.sample_delta import BASE, TARGET, Case, assert_refused, make_case
+from tests.codecs.sample_delta import BASE, TARGET, Case, assert_refused
 from tests.codecs.test_conditioned import LAYOUT as CONDITIONED_LAYOUT
 from tests.codecs.test_conditioned import _versions as conditioned_versions
-
-
-@pytest.fixture(scope="module")
-def case() -> Case:
-    return make_case()
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from deltarl.codecs.frame import (
 )
 from deltarl.engine.layout import Layout
 from tests.codecs.forge import Forged, build_frame
-from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case, make_case
+from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case
 
 HUGE = 1 << 30  # elements of the declared tensor (2 GiB of bf16)
 VAST = 1 << 40  # elements of the declared tensor in the frame that raised MemoryError
@@ -215,11 +215,6 @@ def test_chunk_over_the_decoded_element_limit() -> None:
 
 
 # -- running out of memory anyway is a refused frame --------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def case() -> Case:
-    return make_case()
 
 
 def _raise_memory_error(*args: object, **kwargs: object) -> None:

@@ -53,15 +53,10 @@ from deltarl.codecs.manifest_seal import open_sealed, seal
 from deltarl.engine.layout import Layout
 from tests.codecs.forge import build_frame, gaps, reseal, rice_write
 from tests.codecs.mutate import Mutator, bounded_memory, mutate_json
-from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case, make_case
+from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case
 
 SLOW = 20  # times the default number of mutants in the -m slow run
 BIG = 1 << 30  # elements of the tensor the fuzzed layout declares and never allocates
-
-
-@pytest.fixture(scope="module")
-def case() -> Case:
-    return make_case()
 
 
 @pytest.fixture(scope="module")

@@ -38,13 +38,7 @@ from deltarl.codecs.frame import (
 )
 from deltarl.codecs.values import encode_values
 from tests.codecs.forge import OFF_RAW_LEN, Forged, Stream, gaps, patch, rice_write
-from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case, apply_ok, assert_refused, make_case
-
-
-@pytest.fixture(scope="module")
-def case() -> Case:
-    return make_case()
-
+from tests.codecs.sample_delta import BASE, ITEM, TARGET, Case, apply_ok, assert_refused
 
 # -- malicious records (valid checksum) ---------------------------------------------------------
 

@@ -14,13 +14,7 @@ from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
 from deltarl.codecs.frame import NO_BASE, FrameError
 from deltarl.codecs.manifest import RefitManifest
 from tests.codecs.forge import OFF_TARGET, patch, reseal
-from tests.codecs.sample_delta import BASE, TARGET, Case, make_case
-
-
-@pytest.fixture(scope="module")
-def case() -> Case:
-    return make_case()
-
+from tests.codecs.sample_delta import BASE, TARGET, Case
 
 # -- VersionApply: duplicates, the manifest, verification -------------------------------------
 
