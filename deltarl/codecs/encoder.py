@@ -17,6 +17,10 @@ The reference must be exactly what the receivers hold (docs/architecture.md, "Wh
 the reference": the last transmitted version, never the trainer's previous step if it was not
 delivered). The encoder does not
 keep one; its caller owns the reference and advances it only once a version is delivered.
+With ``advance=True`` the encoder brings the caller's reference to the current version as it
+goes (each wave's changed elements are written into it once the wave is coded), so the caller
+needs no second model-sized buffer and no copy of the whole model: the caller must then treat
+the reference as gone until the version is delivered (deltarl/refit/export.py).
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ from deltarl.codecs.frame import (
 )
 from deltarl.codecs.manifest import ChunkEntry, RefitManifest, TensorEntry
 from deltarl.codecs.packing import Chunk, Record, SparseScratch, TensorTally, pack_chunk
-from deltarl.codecs.values import encode_values
 from deltarl.engine.layout import Layout, dtype_of
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -139,12 +142,19 @@ class DeltaEncoder:
         target_version: int,
         base_version: int | None = None,
         first_chunk_id: int = 0,
+        advance: bool = False,
     ) -> VersionEncoding:
         """Encode ``cur`` as a delta against ``ref`` (base_version), or in full if ref is None.
 
-        Both are flat uint8 buffers laid out by ``self.layout``; neither is modified. Chunk
-        ids run from ``first_chunk_id`` up: a version sent again starts elsewhere, so links
-        that drop a chunk they delivered before (same version, id and bytes) deliver it.
+        Both are flat uint8 buffers laid out by ``self.layout``; ``cur`` is never modified,
+        ``ref`` only with ``advance``. Chunk ids run from ``first_chunk_id`` up: a version
+        sent again starts elsewhere, so links that drop a chunk they delivered before (same
+        version, id and bytes) deliver it.
+
+        ``advance`` (a delta only): write each wave's changed elements into ``ref`` once the
+        wave is coded, so that ``ref`` holds exactly ``cur``'s bytes (every tensor's) when the
+        iteration is exhausted: a sparse write of what changed instead of a copy of the
+        model. Stopped early, ``ref`` is part one version, part the other: unusable.
         """
         if not 0 <= first_chunk_id < 1 << 32:
             raise ValueError(f"first_chunk_id must lie in [0, 2**32), got {first_chunk_id}")
@@ -154,13 +164,19 @@ class DeltaEncoder:
                 raise ValueError("a full version has no base version")
         else:
             self._check_buffer("reference", ref)
+            if advance and not ref.flags.writeable:
+                raise ValueError("advance writes into the reference: it must be writable")
             if base_version is None or not 0 <= base_version < target_version:
                 raise ValueError(
                     f"a delta needs a base version below its target {target_version}, "
                     f"got {base_version}"
                 )
         enc = VersionEncoding(iter(()))
-        enc._chunks = self._run(enc, cur, ref, target_version, base_version, first_chunk_id)
+        if advance and ref is None:
+            raise ValueError("advance needs a reference (a full version has none)")
+        enc._chunks = self._run(
+            enc, cur, ref, target_version, base_version, first_chunk_id, advance=advance
+        )
         return enc
 
     # -- stages -----------------------------------------------------------------------------
@@ -173,6 +189,8 @@ class DeltaEncoder:
         target: int,
         base: int | None,
         first_id: int = 0,
+        *,
+        advance: bool = False,
     ) -> Iterator[Chunk]:
         kind = KIND_FULL if ref is None else KIND_DELTA
         tallies = [TensorTally() for _ in self.layout.tensors]
@@ -202,7 +220,7 @@ class DeltaEncoder:
                 for tid, digest in zip(ids, tensor_digests(self.layout, cur, ids), strict=True):
                     tallies[tid].digest = digest
                 enc.timings.checksum_s += time.perf_counter() - t0
-            for record in self._encode_wave(enc, wave, cur, ref, tallies):
+            for record in self._encode_wave(enc, wave, cur, ref, tallies, advance=advance):
                 sparse = 0 if record.header.pos_coding == POS_DENSE else record.header.changed
                 if pending and (
                     pending_bytes + record.raw_bytes > self.chunk_bytes
@@ -261,6 +279,8 @@ class DeltaEncoder:
         cur: np.ndarray,
         ref: np.ndarray | None,
         tallies: list[TensorTally],
+        *,
+        advance: bool = False,
     ) -> list[Record]:
         t1 = time.perf_counter()
         records: list[Record] = []
@@ -274,7 +294,9 @@ class DeltaEncoder:
             if ref is None:
                 records.extend(self._full_records(tids, cur, tallies))
             else:
-                records.extend(self._delta_records(itemsize, tids, cur, ref, tallies))
+                records.extend(
+                    self._delta_records(itemsize, tids, cur, ref, tallies, advance=advance)
+                )
         records.sort(key=lambda r: (r.header.tensor_id, r.header.start))
         enc.timings.diff_code_s += time.perf_counter() - t1
         return records
@@ -325,6 +347,8 @@ class DeltaEncoder:
         cur: np.ndarray,
         ref: np.ndarray,
         tallies: list[TensorTally],
+        *,
+        advance: bool = False,
     ) -> list[Record]:
         owner, starts, lengths, local = self._items(tids)
         n_items = len(starts)
@@ -340,6 +364,11 @@ class DeltaEncoder:
         keys = list(zip(owner.tolist(), local.tolist(), strict=True))
         before = np.array([self._changed_before.get(k, 0) for k in keys], np.int64)
         order, bounds = kernels.deal(lengths + CHANGE_COST_ELEMS * before)
+        # Advancing the reference inside the diff, where each changed element was just read,
+        # unless the conditioned coder still reads the reference after it (then a pass of
+        # its own, below). Dense records take their values from the kernel's output, not
+        # from the reference, so they do not mind.
+        fused = advance and not self.conditioned
         kernels.encode_sparse(
             ref.view(bits),
             cur.view(bits),
@@ -356,6 +385,7 @@ class DeltaEncoder:
             pos_cap,
             sc.val_dst,
             val_cap,
+            ref.view(bits) if fused else None,  # None: a kernel compiled without the writes
             counts,
             pos_k,
             val_k,
@@ -397,7 +427,7 @@ class DeltaEncoder:
             pc = coding.get(tid)
             if pc is None or (c == 0 and pc != POS_DENSE):
                 continue  # an absent record means an unchanged range
-            s, o = int(starts[i]), int(out_off[i])
+            o = int(out_off[i])
             head = {
                 "tensor_id": tid,
                 "pos_coding": pc,
@@ -408,9 +438,10 @@ class DeltaEncoder:
                 "changed": c,
             }
             if pc == POS_DENSE:
-                values = encode_values(
-                    cur_flat[s : s + n], ref_flat[s : s + n], self.value_coding, is_float
-                )
+                # The coded value of every element: the kernel's where it changed, zero (the
+                # code of "unchanged", in both codings) elsewhere.
+                values = np.zeros(n, bits)
+                values[sc.pos[o : o + c]] = sc.zval[o : o + c]
                 header = RecordHeader(**head, pos_k=0, val_k=0, pos_len=0, val_len=0)
                 records.append(Record(header, planes=values))
                 continue
@@ -440,6 +471,11 @@ class DeltaEncoder:
                 **head, pos_k=k, val_k=int(val_k[i]), pos_len=len(posb), val_len=len(vals)
             )
             records.append(Record(header, pos=posb, vals=vals))
+        if advance and not fused:
+            # After the conditioned streams, which read the reference. The kernel recorded
+            # every element whose bits differ, whatever coding its record got, so this leaves
+            # the items' reference bytes equal to cur's.
+            kernels.copy_changed(ref_flat, cur_flat, starts, counts, out_off, sc.pos, order, bounds)
         return records
 
     def _conditioned_streams(

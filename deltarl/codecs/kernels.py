@@ -335,16 +335,23 @@ def _finished(r, end, acc, nacc):
 
 
 @njit(inline="always")
-def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist):
-    """Record element e as changed: its position, coded value, and both numbers' tallies.
+def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv):
+    """Record element e as changed: its position, coded value, and both numbers' tallies;
+    unless ``adv`` is None, write its new bits into it (the reference itself: read first).
 
     ``code`` is the value coding's (coding, sign_shift, magnitude, mask, is_float).
     """
     p = e - s
     coding, sign_shift, magnitude, mask, is_float = code
+    new = cur[e]
     z = _code_value(
-        np.uint64(cur[e]), np.uint64(ref[e]), coding, sign_shift, magnitude, mask, is_float
+        np.uint64(new), np.uint64(ref[e]), coding, sign_shift, magnitude, mask, is_float
     )
+    if adv is not None:
+        # Here the element's cache line was just read: a write now costs its write-back
+        # only. A pass after the diff cost 15 ms on a 98M model at 2.5% changed (the
+        # changes touch half the lines), as much as half a copy of the model.
+        adv[e] = new
     pos[o + c] = p
     zval[o + c] = z
     _tally(hist[0], np.uint64(p - prev - 1))
@@ -353,8 +360,10 @@ def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist):
 
 
 @njit(cache=True)
-def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist):
+def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv):
     """Write the changed positions (relative to s) and coded values of one item; return count.
+    Unless ``adv`` is None, each changed element's new bits go into it too, after its mask is
+    built and its old bits read (``adv`` may be ``ref``).
 
     ``hist`` (2 x 65) receives the bit-length tallies of the gaps (row 0) and of the coded
     values minus one (row 1) for choosing the Rice parameters.
@@ -390,7 +399,7 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist):
                 e = s + b * 64
                 while m != _U0:
                     j = np.int64(trailing_zeros(m))
-                    c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist)
+                    c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv)
                     m &= m - _U1
         tail = s + nb * 64
     else:
@@ -402,11 +411,11 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist):
                 e = w * lanes
                 for j in range(lanes):
                     if ref[e + j] != cur[e + j]:
-                        c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist)
+                        c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv)
         tail = s + nw * lanes
     for e in range(tail, s + n):
         if ref[e] != cur[e]:
-            c, prev = _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist)
+            c, prev = _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv)
     return c
 
 
@@ -427,6 +436,7 @@ def encode_sparse(  # numba kernels are typed by their arguments
     pos_cap_off,
     val_dst,  # uint8: value streams; item i's region starts at val_cap_off[i]
     val_cap_off,
+    adv,  # None, or the reference (as ref): each changed element's new bits are written there
     counts,  # out int64[n]: changed elements
     pos_k,  # out int64[n]: Rice parameter of the positions
     val_k,  # out int64[n]: Rice parameter of the values
@@ -449,7 +459,7 @@ def encode_sparse(  # numba kernels are typed by their arguments
             n = lengths[i]
             o = out_off[i]
             hist = np.zeros((2, 65), np.int64)
-            c = _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist)
+            c = _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv)
             counts[i] = c
             if c == 0:
                 pos_k[i] = 0
@@ -607,6 +617,21 @@ def undo_sparse(target, bases, done, out_off, positions, prior, order, bounds):
             o = out_off[i]
             for j in range(done[i]):
                 target[b + np.int64(positions[o + j])] = prior[o + j]
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def copy_changed(ref, cur, starts, counts, out_off, positions, order, bounds):
+    """ref[starts[i] + p] = cur[starts[i] + p] for the ``counts[i]`` positions encode_sparse
+    recorded for item i: brings the reference to the current version by touching only what
+    changed (every other element of the items already holds the same bits in both)."""
+    for th in prange(bounds.shape[0] - 1):
+        for q in range(bounds[th], bounds[th + 1]):
+            i = order[q]
+            s = starts[i]
+            o = out_off[i]
+            for j in range(counts[i]):
+                e = s + np.int64(positions[o + j])
+                ref[e] = cur[e]
 
 
 @njit(cache=True, boundscheck=False, nogil=True)

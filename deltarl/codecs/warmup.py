@@ -66,6 +66,16 @@ def warm_up() -> None:
         if conditioned:
             codings = {t.dtype: t.coding for t in encoding.manifest.tensors}
             assert codings["bfloat16"] == codings["float32"] == "conditioned", codings
+    # The export agent advances its reference as it encodes (from a writable or a read-only
+    # current version): compiles copy_changed for every width.
+    for current in (cur, cur_ro):
+        advanced = ref.copy()
+        list(
+            DeltaEncoder(layout).encode(
+                current, advanced, target_version=1, base_version=0, advance=True
+            )
+        )
+        assert np.array_equal(advanced, current)
     # The delta above has no bitmap records. A bitmap comes from zstd or the frame's bytes
     # (read-only), or from a bytearray frame (writable).
     marks = np.packbits(np.arange(64) % 3 == 0, bitorder="little")

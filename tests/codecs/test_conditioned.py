@@ -96,10 +96,10 @@ def _versions(n: int = 4) -> list[np.ndarray]:
 
 
 def _encode(
-    ref: np.ndarray, cur: np.ndarray, *, conditioned: bool, base: int = 0
+    ref: np.ndarray, cur: np.ndarray, *, conditioned: bool, base: int = 0, advance: bool = False
 ) -> tuple[list[bytes], object]:
     enc = DeltaEncoder(LAYOUT, item_elems=ITEM, chunk_bytes=1 << 20, conditioned=conditioned)
-    e = enc.encode(cur, ref, target_version=base + 1, base_version=base)
+    e = enc.encode(cur, ref, target_version=base + 1, base_version=base, advance=advance)
     chunks = [c.data for c in e]
     return chunks, e.manifest
 
@@ -132,6 +132,12 @@ def test_a_chain_of_deltas_is_bit_exact_and_smaller_where_it_is_kept() -> None:
         assert codings["emb"] == codings["proj"] == codings["half"] == "conditioned"
         assert codings["noise"] == codings["i8"] == "rice"
         assert sum(map(len, chunks)) < 0.9 * sum(map(len, rice))
+        # Advancing the reference as it codes (the export agent's way) changes nothing on
+        # the wire: the conditioned streams read the reference before its wave is advanced.
+        advanced = ref.copy()
+        same, _ = _encode(advanced, cur, conditioned=True, base=base, advance=True)
+        assert same == chunks
+        assert np.array_equal(advanced, cur)
         for in_place in (False, True):
             target = ref.copy()
             apply = VersionApply(

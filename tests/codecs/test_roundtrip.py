@@ -201,10 +201,22 @@ def change(
 
 
 def encode(
-    layout: Layout, cur: np.ndarray, ref: np.ndarray | None, *, version: int = 1, **kw: object
+    layout: Layout,
+    cur: np.ndarray,
+    ref: np.ndarray | None,
+    *,
+    version: int = 1,
+    advance: bool = False,
+    **kw: object,
 ) -> tuple[list[bytes], RefitManifest]:
     enc = DeltaEncoder(layout, **kw)  # type: ignore[arg-type]
-    e = enc.encode(cur, ref, target_version=version, base_version=None if ref is None else 0)
+    e = enc.encode(
+        cur,
+        ref,
+        target_version=version,
+        base_version=None if ref is None else 0,
+        advance=advance,
+    )
     chunks = []
     for c in e:
         assert e.manifest is None  # set only once the iteration is exhausted
@@ -362,15 +374,20 @@ def test_round_trip(s: dict) -> None:
     ref = fill_reference(layout, rng, s["special"])
     cur = change(layout, ref, rng, s["density"], runs=s["runs"])
     base = None if s["full"] else ref
-    chunks, manifest = encode(
-        layout,
-        cur,
-        base,
-        chunk_bytes=s["chunk_bytes"],
-        dense_threshold=s["dense_threshold"],
-        value_coding=s["value_coding"],
-        item_elems=s["item_elems"],
-    )
+    settings = {
+        "chunk_bytes": s["chunk_bytes"],
+        "dense_threshold": s["dense_threshold"],
+        "value_coding": s["value_coding"],
+        "item_elems": s["item_elems"],
+    }
+    chunks, manifest = encode(layout, cur, base, **settings)  # type: ignore[arg-type]
+    if base is not None:
+        # The export agent's way: the reference brought to cur as it is coded, sparsely.
+        # Same bytes on the wire, and every tensor of the reference ends equal to cur's.
+        advanced = ref.copy()
+        same, _ = encode(layout, cur, advanced, advance=True, **settings)  # type: ignore[arg-type]
+        assert same == chunks
+        assert_same_tensors(layout, advanced, cur)
     for t in manifest.tensors:  # what the examples covered (--hypothesis-show-statistics)
         event(f"coding {t.coding}")
     event("several chunks" if len(chunks) > 1 else "one chunk")
@@ -656,6 +673,12 @@ def test_encoder_refuses_bad_buffers_and_versions() -> None:
         del what
     with pytest.raises(ValueError, match="a full version has no base version"):
         enc.encode(ok, None, target_version=1, base_version=0)
+    with pytest.raises(ValueError, match="advance needs a reference"):
+        enc.encode(ok, None, target_version=1, advance=True)
+    frozen = ok.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="advance writes into the reference"):
+        enc.encode(ok, frozen, target_version=1, base_version=0, advance=True)
     for base in (None, 1, 2, -1):
         with pytest.raises(ValueError, match="a delta needs a base version below its target 1"):
             enc.encode(ok, ok, target_version=1, base_version=base)

@@ -17,7 +17,9 @@ def test_the_first_chunk_is_yielded_before_the_other_waves_are_encoded(monkeypat
     waves = []
     real = enc._encode_wave
     monkeypatch.setattr(
-        enc, "_encode_wave", lambda e, wave, *a: (waves.append(wave), real(e, wave, *a))[1]
+        enc,
+        "_encode_wave",
+        lambda e, wave, *a, **kw: (waves.append(wave), real(e, wave, *a, **kw))[1],
     )
     encoding = enc.encode(cur, ref, target_version=1, base_version=0)
     chunks = iter(encoding)
