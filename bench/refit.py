@@ -10,9 +10,9 @@ of the same weights over the same link, in the same run.
 Per refit, read from the daemons' ``status`` (CLOCK_MONOTONIC is one clock for every process
 on the host, namespaces included):
 
-- encode_s: the export agent's taking of the published version (a lease; the copy it keeps
-  as the next reference is made after encoding, overlapping the transfer) + time in the
-  encoder (diff + coding + checksums);
+- encode_s: the export agent's taking of the published version (a lease) + time in the
+  encoder (diff + coding + checksums + writing the changed elements into its reference, which
+  becomes the next version's: no copy of the model);
 - transfer_s: time in the link's ``send_chunk``/``send_manifest`` (stream: waiting for window
   room and the manifest's ack; shm: writing chunk files and waiting for the receiver to free
   slots), export agent;

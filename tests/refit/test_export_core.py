@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import statistics
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from deltarl.refit.export import ExportCore, Reference, put_unless_done, resync_
 from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.refit.receiver_state import ReceiverState, StateFeed
 from deltarl.sim.realistic_deltas import RealisticDeltas
-from deltarl.transport.base import make_receiver, make_sender
+from deltarl.transport.base import ChunkSender, LinkError, make_receiver, make_sender
 from deltarl.transport.link_config import ShmLinkConfig
 from deltarl.transport.messages import Event, Ok, Resync, Rollback
 
@@ -82,6 +83,8 @@ async def pair(
     full_resync_every: int = 50,
     full_resync_overhead: float = 0.05,
     link_root: Path | None = None,
+    chunk_bytes: int = 16 << 20,
+    sender: Callable[[ShmLinkConfig], ChunkSender] = make_sender,
 ) -> AsyncIterator[Pair]:
     trainer = RealisticDeltas(PARAMS, seed=5)
     published = WeightStore.create("pub", trainer.layout, root=tmp)
@@ -103,13 +106,14 @@ async def pair(
         full_resync_overhead=full_resync_overhead,
         ack_timeout_s=10,
         poll_s=0.01,
+        chunk_bytes=chunk_bytes,
     )
     apply = ApplyCore(acfg, FeedContext("apply", feed), rollout, make_receiver(link))
     export = ExportCore(
         ecfg,
         FeedContext("export"),
         feed,
-        lambda: make_sender(link),
+        lambda: sender(link),
         ManifestStore(ecfg.manifest_store),
     )
     tasks = [asyncio.create_task(apply.run()), asyncio.create_task(export.run())]
@@ -132,6 +136,11 @@ def test_versions_arrive_bit_exact_as_deltas_acknowledged_by_events(tmp_path: Pa
                 await p.active(p.publish())
             kinds = [r.kind for r in p.export.recent]
             assert kinds == ["full", "delta", "delta", "delta"]
+            # One model-sized buffer, advanced sparsely by each delta's encoding: it holds
+            # exactly the version acknowledged.
+            assert p.export.ref.version == 3
+            with p.published.lease() as pub:
+                assert np.array_equal(p.export.ref.buffer, pub.buffer)
             last = p.export.recent[-1]
             assert last.outcome == "active"
             assert last.receiver is not None
@@ -145,6 +154,79 @@ def test_versions_arrive_bit_exact_as_deltas_acknowledged_by_events(tmp_path: Pa
                 assert record.state is State.ACTIVE
 
     asyncio.run(scenario())
+
+
+class FailsOnce(ChunkSender):
+    """A real shm sender whose link breaks once, at the given chunk of the given version."""
+
+    failed = 0
+
+    def __init__(self, link: ShmLinkConfig, version: int, chunk: int) -> None:
+        self.inner = make_sender(link)
+        self.version, self.chunk = version, chunk
+        self.seen = 0
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def send_chunk(self, version: int, chunk_id: int, data: bytes | memoryview) -> None:
+        if version == self.version and not FailsOnce.failed:
+            self.seen += 1
+            if self.seen == self.chunk:
+                FailsOnce.failed += 1
+                raise LinkError("injected: the link broke mid-version")
+        await self.inner.send_chunk(version, chunk_id, data)
+
+    async def send_manifest(self, version: int, manifest_json: bytes) -> None:
+        await self.inner.send_manifest(version, manifest_json)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def test_a_delta_stopped_mid_encoding_leaves_no_reference(tmp_path: Path) -> None:
+    """The fault: the link breaks at the second chunk of a delta, while the encoder has
+    already written part of that version into the reference. The reference must not be
+    used again (its bytes are part one version, part the other): the version goes again in
+    full, and the deltas after it arrive bit-exact."""
+
+    async def scenario() -> None:
+        FailsOnce.failed = 0
+        make = functools.partial(FailsOnce, version=2, chunk=2)
+        async with pair(tmp_path, chunk_bytes=64 << 10, sender=make) as p:
+            await p.active(0)
+            await p.active(p.publish())
+            version = p.publish()
+            async with asyncio.timeout(30):
+                while not FailsOnce.failed:  # noqa: ASYNC110 - a flag of the sender
+                    await asyncio.sleep(0.001)
+            await p.active(version)  # sent again, in full
+            assert p.export.failed == 1
+            again = p.export.recent[-1]
+            assert (again.version, again.kind, again.outcome) == (version, "full", "active")
+            await p.active(p.publish())  # and a delta on it, bit-exact
+            assert p.export.recent[-1].kind == "delta"
+
+    asyncio.run(scenario())
+
+
+def test_the_reference_is_unlabelled_while_its_bytes_change() -> None:
+    ref = Reference()
+    like = np.zeros(64, np.uint8)
+    buf = ref.take(like)
+    assert ref.buffer is buf
+    assert ref.version is None
+    ref.adopt(3, "s", delta=False)
+    assert (ref.version, ref.session, ref.deltas_in_a_row) == (3, "s", 0)
+    ref.adopt(4, "s", delta=True)
+    assert ref.deltas_in_a_row == 1
+    assert ref.take(like) is buf  # allocated once, reused
+    assert (ref.version, ref.session) == (None, None)
+    ref.adopt(5, "s", delta=True)
+    ref.drop()
+    state = ReceiverState(session="s", active_version=5, needs_full=False)
+    assert ref.buffer is buf
+    assert ref.full_reason(state, 6, resync=False, every=9) == "no reference"
 
 
 def test_resync_period_follows_the_measured_sizes() -> None:
