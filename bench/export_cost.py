@@ -1,7 +1,7 @@
 """`deltarl bench export-cost`: what the export agent costs the trainer beside it.
 
 The export agent runs on the trainer's host and competes with it for the CPU (the diff and
-encode kernels) and memory bandwidth (the copy of each version). This bench runs the
+encode kernels) and memory bandwidth (reading each version and its reference). This bench runs the
 synthetic trainer (a real AdamW step on ``--params`` parameters per version, back to back)
 three times in one run, for ``--seconds`` each after a warm-up, and counts its steps:
 
