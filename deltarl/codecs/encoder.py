@@ -18,7 +18,7 @@ the reference": the last transmitted version, never the trainer's previous step 
 delivered). The encoder does not
 keep one; its caller owns the reference and advances it only once a version is delivered.
 With ``advance=True`` the encoder brings the caller's reference to the current version as it
-goes (each wave's changed elements are written into it once the wave is coded), so the caller
+goes (each wave's changed elements are written into it as the wave is coded), so the caller
 needs no second model-sized buffer and no copy of the whole model: the caller must then treat
 the reference as gone until the version is delivered (deltarl/refit/export.py).
 """
@@ -151,7 +151,7 @@ class DeltaEncoder:
         sent again starts elsewhere, so links that drop a chunk they delivered before (same
         version, id and bytes) deliver it.
 
-        ``advance`` (a delta only): write each wave's changed elements into ``ref`` once the
+        ``advance`` (a delta only): write each wave's changed elements into ``ref`` as the
         wave is coded, so that ``ref`` holds exactly ``cur``'s bytes (every tensor's) when the
         iteration is exhausted: a sparse write of what changed instead of a copy of the
         model. Stopped early, ``ref`` is part one version, part the other: unusable.
@@ -162,6 +162,8 @@ class DeltaEncoder:
         if ref is None:
             if base_version is not None:
                 raise ValueError("a full version has no base version")
+            if advance:
+                raise ValueError("advance needs a reference (a full version has none)")
         else:
             self._check_buffer("reference", ref)
             if advance and not ref.flags.writeable:
@@ -172,8 +174,6 @@ class DeltaEncoder:
                     f"got {base_version}"
                 )
         enc = VersionEncoding(iter(()))
-        if advance and ref is None:
-            raise ValueError("advance needs a reference (a full version has none)")
         enc._chunks = self._run(
             enc, cur, ref, target_version, base_version, first_chunk_id, advance=advance
         )
@@ -369,8 +369,9 @@ class DeltaEncoder:
         # its own, below). Dense records take their values from the kernel's output, not
         # from the reference, so they do not mind.
         fused = advance and not self.conditioned
+        ref_flat = ref.view(bits)
         kernels.encode_sparse(
-            ref.view(bits),
+            ref_flat,
             cur.view(bits),
             ref.view(np.uint64),
             cur.view(np.uint64),
@@ -385,7 +386,7 @@ class DeltaEncoder:
             pos_cap,
             sc.val_dst,
             val_cap,
-            ref.view(bits) if fused else None,  # None: a kernel compiled without the writes
+            ref_flat if fused else None,  # None: a kernel compiled without the writes
             counts,
             pos_k,
             val_k,
@@ -420,7 +421,6 @@ class DeltaEncoder:
             if self.conditioned
             else {}
         )
-        cur_flat, ref_flat = cur.view(bits), ref.view(bits)
         records: list[Record] = []
         for i in range(n_items):
             tid, n, c = int(owner[i]), int(lengths[i]), int(counts[i])
@@ -472,10 +472,23 @@ class DeltaEncoder:
             )
             records.append(Record(header, pos=posb, vals=vals))
         if advance and not fused:
-            # After the conditioned streams, which read the reference. The kernel recorded
-            # every element whose bits differ, whatever coding its record got, so this leaves
-            # the items' reference bytes equal to cur's.
-            kernels.copy_changed(ref_flat, cur_flat, starts, counts, out_off, sc.pos, order, bounds)
+            # After the conditioned streams, which read the reference: the decoder's own
+            # scatter, each recorded change's code decoded against the reference in place.
+            # The kernel recorded every element whose bits differ, whatever coding its record
+            # got, so this leaves the items' reference bytes equal to cur's.
+            kernels.scatter_sparse(
+                ref_flat,
+                ref_flat,
+                starts,
+                counts,
+                out_off,
+                sc.pos,
+                sc.zval,
+                self.value_coding,
+                is_float,
+                order,
+                bounds,
+            )
         return records
 
     def _conditioned_streams(

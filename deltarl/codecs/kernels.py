@@ -619,21 +619,6 @@ def undo_sparse(target, bases, done, out_off, positions, prior, order, bounds):
                 target[b + np.int64(positions[o + j])] = prior[o + j]
 
 
-@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def copy_changed(ref, cur, starts, counts, out_off, positions, order, bounds):
-    """ref[starts[i] + p] = cur[starts[i] + p] for the ``counts[i]`` positions encode_sparse
-    recorded for item i: brings the reference to the current version by touching only what
-    changed (every other element of the items already holds the same bits in both)."""
-    for th in prange(bounds.shape[0] - 1):
-        for q in range(bounds[th], bounds[th + 1]):
-            i = order[q]
-            s = starts[i]
-            o = out_off[i]
-            for j in range(counts[i]):
-                e = s + np.int64(positions[o + j])
-                ref[e] = cur[e]
-
-
 @njit(cache=True, boundscheck=False, nogil=True)
 def bitmap_positions(packed, out):
     """Write the positions of the set bits of ``packed`` (least-significant bit first), in

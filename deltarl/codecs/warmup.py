@@ -67,11 +67,16 @@ def warm_up() -> None:
             codings = {t.dtype: t.coding for t in encoding.manifest.tensors}
             assert codings["bfloat16"] == codings["float32"] == "conditioned", codings
     # The export agent advances its reference as it encodes (from a writable or a read-only
-    # current version): compiles copy_changed for every width.
-    for current in (cur, cur_ro):
+    # current version): the diff kernel with its writes, for every width; with conditioned
+    # coding, the scatter that writes after the conditioned streams.
+    for current, conditioned in (
+        (cur, False),
+        (cur_ro, False),
+        (_read_only(_tiny_step(layout, ref)), True),
+    ):
         advanced = ref.copy()
         list(
-            DeltaEncoder(layout).encode(
+            DeltaEncoder(layout, conditioned=conditioned).encode(
                 current, advanced, target_version=1, base_version=0, advance=True
             )
         )
