@@ -300,6 +300,8 @@ class VllmEngine:
         self._in_step = False
         self._torch_threads: int | None = None
         self.start_seconds: float | None = None
+        self.warm_up_seconds: float | None = None
+        """The first step's one-time cost, paid in ``start`` (``_warm_up``)."""
         self.chat = False
         """Prompts are rendered with the chat template (``config.chat``, decided at start)."""
 
@@ -356,8 +358,48 @@ class VllmEngine:
         except ValueError:
             self.close()  # a configuration error: leave no engine behind in this process
             raise
+        try:
+            self.warm_up_seconds = self._warm_up(self._engine)
+        except Exception:
+            self.close()  # an engine that cannot generate one token serves nothing
+            raise
         self.start_seconds = time.perf_counter() - t0
-        logger.info("vLLM engine for %s started in %.1f s", cfg.model, self.start_seconds)
+        logger.info(
+            "vLLM engine for %s started in %.1f s (%.1f s of it the first step's warm-up)",
+            cfg.model,
+            self.start_seconds,
+            self.warm_up_seconds,
+        )
+
+    def _warm_up(self, engine: LLMEngine) -> float:
+        """Generate one token of a throw-away request; the seconds it took.
+
+        An engine's first step costs seconds (2.6 s for the tiny model on a CPU core, against
+        10-40 ms for every later one): one-time set-up of the forward pass and the sampler
+        on first use. Paid in the first group's step, it came when the engine had already
+        taken work, and on a shared core it was long enough for the trainer, fed by a peer,
+        to move past the lag bound, so every group of that engine was requeued as doomed.
+        Paid here, it falls before the engine loads a version and asks for work. The request
+        goes straight to vLLM, not through ``add_group``: it is no group, counts no token and
+        leaves nothing held; what it caches is under the start version's salt, as any
+        request's would be.
+        """
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        started = time.perf_counter()
+        request_id = "deltarl-warm-up"
+        # The path real groups take: sampled at a temperature, with the token's log-probability.
+        params = SamplingParams(max_tokens=1, temperature=1.0, seed=0, logprobs=0)
+        (rendered,) = engine.renderer.render_cmpl([self._prompt(engine, "warm-up")])
+        engine.add_request(request_id, dict(rendered), params)
+        for _ in range(8):  # one step prefills and samples the one token; a few to be sure
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        if engine.has_unfinished_requests():
+            engine.abort_request([request_id])
+            raise RuntimeError("vLLM did not finish a one-token warm-up request in 8 steps")
+        return time.perf_counter() - started
 
     def close(self) -> None:
         """Shut the engine down and free its model and KV cache; in-flight groups are lost.

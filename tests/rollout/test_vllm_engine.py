@@ -685,7 +685,7 @@ def test_the_rollout_service_reports_progress_and_aborts_what_the_scheduler_name
 
 
 def test_close_after_a_step_on_the_same_thread_and_start_again(
-    engine: VllmEngine, store: WeightStore
+    engine: VllmEngine, store: WeightStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine.add_group("cut-short", PROMPT, 2, {"max_tokens": 32, "seed": 2})
     engine.step()
@@ -694,9 +694,27 @@ def test_close_after_a_step_on_the_same_thread_and_start_again(
     assert (engine.has_work(), engine.running_groups, engine.queued_requests()) == (False, 0, 0)
     with pytest.raises(RuntimeError, match="not started"):
         engine.step()
+    # fault: the engine builds but cannot step (the warm-up's first step fails); start
+    # raises and leaves no engine behind, so the next start builds a whole one
+    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 - the module skips without
+
+    def broken_step(self: LLMEngine) -> list[Any]:
+        raise RuntimeError("injected: the engine cannot step")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LLMEngine, "step", broken_step)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.start()
+    with pytest.raises(RuntimeError, match="not started"):
+        engine.step()
     engine.start()
     # the model directory's weights again: the initial version, not the last one loaded
     assert engine.version == engine.config.initial_version
+    # the first step's one-time cost was paid in start, by a request that left nothing held
+    assert engine.warm_up_seconds is not None
+    assert 0 < engine.warm_up_seconds <= engine.start_seconds  # type: ignore[operator]
+    assert (engine.has_work(), engine.running_groups, engine.queued_requests()) == (False, 0, 0)
+    assert engine.progress() == {}
     group = run(engine, PROMPT, n=2)
     assert all(s["token_versions"] == [engine.version] * len(s["token_ids"]) for s in group.samples)
     report = engine.update_weights(store.name, store.path.parent)
