@@ -11,7 +11,8 @@ from typing import Any
 # At 1 Gbit the speedup must hold in every refit (over the slowest, ``speedup_min``), not only
 # the median.
 TARGETS = {"speedup_100mbit": 20.0, "speedup_1gbit": 10.0, "pipeline": 1.25}
-STAGES = ("encode_s", "transfer_s", "apply_s", "activate_s")
+# link_s: the shaped link's least time for the bytes (bench/refit.py); 0.0 when unshaped.
+STAGES = ("encode_s", "transfer_s", "link_s", "apply_s", "activate_s")
 
 
 def limits(result: dict[str, Any]) -> str:
@@ -68,12 +69,13 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
         f"refit benchmark: {result['params']:,} parameters (bf16), link {result['link']}, {rate}",
         "",
         f"{'version':>7} {'kind':>5} {'changed':>8} {'wire KB':>10} {'encode ms':>9} "
-        f"{'xfer ms':>8} {'apply ms':>8} {'activ ms':>8} {'total ms':>9} {'bit-exact':>9}",
+        f"{'xfer ms':>8} {'link ms':>8} {'apply ms':>8} {'activ ms':>8} {'total ms':>9} "
+        f"{'bit-exact':>9}",
     ]
     lines += [
         f"{r['version']:>7} {r['kind']:>5} {r['changed_ratio']:>8.4%} "
         f"{r['wire_bytes'] / 1e3:>10.1f} {r['encode_s'] * 1e3:>9.1f} "
-        f"{r['transfer_s'] * 1e3:>8.1f} {r['apply_s'] * 1e3:>8.1f} "
+        f"{r['transfer_s'] * 1e3:>8.1f} {r['link_s'] * 1e3:>8.1f} {r['apply_s'] * 1e3:>8.1f} "
         f"{r['activate_s'] * 1e3:>8.1f} {r['total_s'] * 1e3:>9.1f} "
         f"{'yes' if r['bit_exact'] else 'NO':>9}"
         for r in result["refits"]
@@ -92,7 +94,8 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f"{d['first_chunk_after_s'] * 1e3:.1f} ms after encoding began (open, base by "
             f"{d.get('opened_by') or '?'}: {d['open_s'] * 1e3:.1f} ms), commit "
             f"{d['sent_to_commit_s'] * 1e3:.1f} ms after the last send returned, acknowledged "
-            f"{d['commit_to_ack_s'] * 1e3:.2f} ms after the commit"
+            f"{d['commit_to_ack_s'] * 1e3:.2f} ms after the commit; "
+            f"{d.get('early_hash_s', 0.0) * 1e3:.1f} ms of apply hashed tensors as chunks landed"
         )
     sealed = result.get("sealed")
     if sealed is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -354,13 +355,25 @@ class ChecksumMismatchError(ValueError):
         self.names = names
 
 
-def verify_tensors(layout: Layout, buf: np.ndarray, manifest: RefitManifest) -> None:
-    """Check every tensor of ``buf`` against the manifest's xxh3-128; raise on any mismatch."""
+def verify_tensors(
+    layout: Layout,
+    buf: np.ndarray,
+    manifest: RefitManifest,
+    known: dict[int, str] | None = None,
+) -> None:
+    """Check every tensor of ``buf`` against the manifest's xxh3-128; raise on any mismatch.
+
+    ``known``: digests of some tensors of ``buf`` already taken, by tensor index, which the
+    caller vouches are of the bytes ``buf`` holds now (``VersionApply`` hashes a tensor early
+    only once no later chunk writes it); the other tensors are hashed here."""
     if [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors] != [
         (s.name, s.dtype, s.shape) for s in layout.tensors
     ]:
         raise ChecksumMismatchError(manifest.version, ["<manifest does not describe this layout>"])
-    digests = tensor_digests(layout, buf)
+    known = known or {}
+    rest = [i for i in range(len(layout)) if i not in known]
+    fresh = dict(zip(rest, tensor_digests(layout, buf, rest), strict=True))
+    digests = [known[i] if i in known else fresh[i] for i in range(len(layout))]
     bad = [t.name for t, d in zip(manifest.tensors, digests, strict=True) if t.xxh3_128 != d]
     if not bad and model_digest(digests) != manifest.model_xxh3_128:
         bad = ["<whole-model checksum>"]
@@ -375,6 +388,16 @@ class VersionApply:
     acknowledged and skipped; one with a different checksum is refused); chunks must be of
     this version and base; ``verify`` passes only when the manifest's chunks all arrived
     with their listed checksums and every tensor hashes right.
+
+    Verifying as chunks land: the encoder sends records in tensor order, so once a chunk
+    whose first record is for tensor t is applied, the tensors before t are (in a send that
+    arrives in order) written for good; ``apply`` hashes them then, while the next chunks are
+    still on the wire, and ``verify`` hashes only the rest: the tail between the last chunk
+    and the flip loses most of a whole-model hash. An early digest is used only if no chunk
+    wrote its tensor after it was taken (``_writes``, counted per tensor): a chunk that comes
+    out of order costs a hash again, never a stale one. That needs this apply to be the
+    target's only writer while it is open, which the store's write lock makes so (its
+    transaction is held from the job's start to its commit or abort).
     """
 
     def __init__(
@@ -387,9 +410,12 @@ class VersionApply:
         version: int,
         hash_chunks: bool = False,
         keep: list[DecodedChunk] | None = None,
+        hash_early: bool = True,
     ) -> None:
         """``hash_chunks``: hash each chunk applied (BLAKE2b-256), and let ``verify`` pass
         only if the manifest lists the same hash for every chunk: for sealed manifests.
+        ``hash_early``: hash tensors as chunks land (class docstring); without it ``verify``
+        hashes every tensor, which also catches bytes changed by another writer after apply.
         ``keep``: a list each chunk applied is appended to, decoded (``owned``), so the same
         writes can be made again without decoding (deltarl/refit/catch_up.py)."""
         self.keep = keep
@@ -399,8 +425,14 @@ class VersionApply:
         self.base = base
         self.version = version
         self.hash_chunks = hash_chunks
+        self.hash_early = hash_early
         self.applied: dict[int, int] = {}  # chunk id -> checksum
         self.hashes: dict[int, str] = {}  # chunk id -> BLAKE2b-256, with hash_chunks
+        self._writes = np.zeros(len(layout), np.int64)  # per tensor: chunks that wrote it
+        self._early: dict[int, tuple[int, str]] = {}  # tensor -> (its _writes then, digest)
+        self._hashed_below = 0  # tensors below this one were hashed early (class docstring)
+        self.early_hash_s = 0.0
+        """Seconds ``apply`` spent hashing tensors early (part of its own time)."""
 
     def apply(self, data: bytes | bytearray | memoryview) -> bool:
         """Apply one chunk; False if it was a duplicate and changed nothing."""
@@ -430,7 +462,26 @@ class VersionApply:
             self.keep.append(owned(decoded))
         if self.hash_chunks:
             self.hashes[header.chunk_id] = chunk_hash(data)
+        written = sorted({r.tensor_id for r in decoded.records})
+        self._writes[written] += 1
+        if written and self.hash_early:
+            self._hash_before(written[0])
         return True
+
+    def _hash_before(self, tensor: int) -> None:
+        """Hash the tensors from the last one hashed early up to ``tensor`` (excluded)."""
+        ids = list(range(self._hashed_below, tensor))
+        if not ids:
+            return
+        t = time.perf_counter()
+        for i, digest in zip(ids, tensor_digests(self.layout, self.target, ids), strict=True):
+            self._early[i] = (int(self._writes[i]), digest)
+        self._hashed_below = tensor
+        self.early_hash_s += time.perf_counter() - t
+
+    def early_digests(self) -> dict[int, str]:
+        """The digests taken early that still hold: no chunk wrote their tensor since."""
+        return {i: d for i, (w, d) in self._early.items() if w == self._writes[i]}
 
     def verify(self, manifest: RefitManifest) -> None:
         if manifest.version != self.version or manifest.base_version != (
@@ -457,7 +508,7 @@ class VersionApply:
                     f"version {self.version}: chunks {forged[:10]} do not match the manifest's "
                     f"BLAKE2b-256 (their xxh3-64 did): forged, or the manifest lists no hashes"
                 )
-        verify_tensors(self.layout, self.target, manifest)
+        verify_tensors(self.layout, self.target, manifest, self.early_digests())
 
 
 def _decode_sparse(

@@ -9,11 +9,13 @@ manifest) of a new version opens a write transaction on the rollout store's inac
     APPLYING  begin_write; a delta whose target buffer does not hold its base gets there
       |       first (catch_up.py: kept current after each commit by default; else by the
       |       last delta again, or copy_from_active); each chunk is applied (reference: the
-      |       active buffer),
-      |       then released; a chunk of a newer version abandons this one (failed)
+      |       active buffer), the tensors before its first record hashed (written for
+      |       good in an in-order send: VersionApply), then released; a chunk of a newer
+      |       version abandons this one (failed)
       | manifest here and every chunk it lists applied
       v
-    verify every tensor against the manifest -> commit (flip) -> VersionApplied
+    verify every tensor against the manifest (hashing only those not hashed as chunks
+      | landed, or written since) -> commit (flip) -> VersionApplied
       | any FrameError / checksum mismatch -> abort (the active version stays) -> RefitFailed
 
 Every change of that state is published as a ``ReceiverState`` (deltarl/refit/
@@ -513,6 +515,8 @@ class ApplyCore(DaemonCore):
             "committed_at": t_done,
             "open_s": job.open_s,
             "apply_s": job.apply_s,
+            # Of apply_s: hashing tensors as later chunks landed, which verify_s then skips.
+            "early_hash_s": job.apply.early_hash_s,
             "verify_s": t_commit - t_verify,
             "commit_s": t_done - t_commit,
         }

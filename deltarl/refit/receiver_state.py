@@ -64,6 +64,8 @@ class ReceiverState(Event, Reply):
     apply_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
+    early_hash_s: float = 0.0
+    """Of ``apply_s``: tensors hashed as later chunks landed, which the verify skipped."""
     members: dict[str, Any] = field(default_factory=dict)
     """A relay root's children, by label: reachable, active_version, relay counters."""
 

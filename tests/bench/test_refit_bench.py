@@ -31,6 +31,7 @@ REFIT_KEYS = {
     "wire_bytes": int,
     "encode_s": float,
     "transfer_s": float,
+    "link_s": float,
     "apply_s": float,
     "activate_s": float,
     "total_s": float,
@@ -97,6 +98,9 @@ def _check_shape(result: dict[str, Any], link: str, rate: float | None) -> None:
         assert r["bit_exact"] is True
         assert 0 < r["changed_ratio"] < 1
         assert r["total_s"] > 0
+        # the shaped link's least time for the bytes; an unshaped link has no rate to price
+        want = r["wire_bytes"] * 8 / (rate * 1e6) if rate is not None else 0.0
+        assert r["link_s"] == pytest.approx(want)
     # realistic deltas: the delta is much smaller than the full version
     assert all(r["wire_bytes"] < result["full"]["wire_bytes"] / 4 for r in result["refits"])
     assert isinstance(result["delta_total_s_median"], float)
@@ -186,6 +190,8 @@ def test_bench_refit_shaped_stream_and_namespaces_cleaned_up() -> None:
         pytest.skip(f"shaping needs network namespaces: {why}")
     result, pid = _bench("--link", "stream", "--rate-mbit", "50")
     _check_shape(result, "stream", 50.0)
+    # the link's time is a floor of the refit's (less tbf's burst: 10 ms at the rate)
+    assert all(r["total_s"] >= r["link_s"] - 0.011 for r in result["refits"])
     left = netns.namespaces()
     assert not [n for n in left if n.startswith(f"{netns.PREFIX}-{pid}-")], left
     # namespaces of other live runs (pid in the name) may exist; none may be a dead run's

@@ -19,10 +19,12 @@ from tests.codecs.sample_delta import BASE, TARGET, Case
 # -- VersionApply: duplicates, the manifest, verification -------------------------------------
 
 
-def _apply_all(case: Case, *, inplace: bool = False) -> tuple[VersionApply, np.ndarray]:
+def _apply_all(
+    case: Case, *, inplace: bool = False, hash_early: bool = True
+) -> tuple[VersionApply, np.ndarray]:
     ref = case.ref.copy()
     target = ref if inplace else case.ref.copy()
-    apply = VersionApply(case.layout, target, ref, base=BASE, version=TARGET)
+    apply = VersionApply(case.layout, target, ref, base=BASE, version=TARGET, hash_early=hash_early)
     for c in case.chunks:
         assert apply.apply(c) is True
     return apply, target
@@ -102,9 +104,12 @@ def test_verify_fails_if_a_listed_checksum_differs(case: Case) -> None:
         apply.verify(dataclasses.replace(m, chunks=[bad, *m.chunks[1:]]))
 
 
+# Tampering after apply, by another writer: seen by a verify that hashes every tensor. With
+# hash_early (the default) a tensor hashed as later chunks landed is not hashed again: the
+# apply is the target's only writer while it is open (the store's write lock).
 @pytest.mark.parametrize("name", ["w", "bias", "blk"])
 def test_verify_names_a_tensor_tampered_after_apply(case: Case, name: str) -> None:
-    apply, target = _apply_all(case)
+    apply, target = _apply_all(case, hash_early=False)
     case.layout.view(target, name)[-1] ^= 1
     with pytest.raises(
         ChecksumMismatchError, match=rf"version 4: 1 tensor\(s\) differ.*{name}"
@@ -115,10 +120,49 @@ def test_verify_names_a_tensor_tampered_after_apply(case: Case, name: str) -> No
 
 
 def test_verify_names_every_tampered_tensor(case: Case) -> None:
-    apply, target = _apply_all(case)
+    apply, target = _apply_all(case, hash_early=False)
     for name in ("emb", "i8"):
         case.layout.view(target, name)[0] ^= 0x40
     with pytest.raises(ChecksumMismatchError, match=r"2 tensor\(s\) differ after apply: emb, i8"):
+        apply.verify(case.chunks_manifest)
+
+
+def test_tensors_before_a_chunks_first_are_hashed_as_it_lands(case: Case) -> None:
+    # the sample's chunks write tensors [0], [1] and [2, 3, 4]: each chunk proves the
+    # tensors before its first one written for good, so they are hashed then, not at verify
+    apply, target = _apply_all(case)
+    assert target.tobytes() == case.cur.tobytes()
+    final = {i: tensor_digest(case.layout.view(target, i)) for i in range(len(case.layout))}
+    assert apply.early_digests() == {0: final[0], 1: final[1]}
+    assert apply.early_hash_s > 0
+    apply.verify(case.chunks_manifest)
+
+
+def test_a_tensor_written_after_its_early_hash_is_hashed_again(case: Case) -> None:
+    # out of order: the last chunk lands first, and the tensors before its first one are
+    # hashed while still holding the base; the chunks that write them come after
+    ref = case.ref.copy()
+    target = case.ref.copy()
+    apply = VersionApply(case.layout, target, ref, base=BASE, version=TARGET)
+    for c in reversed(case.chunks):
+        apply.apply(c)
+    assert target.tobytes() == case.cur.tobytes()
+    assert apply.early_digests() == {}  # every early digest went stale: none is used
+    apply.verify(case.chunks_manifest)
+
+
+def test_a_tensor_wrong_when_hashed_early_fails_verify(case: Case) -> None:
+    # fault: the bytes of tensor 0 are wrong when the next chunk's landing hashes it (as a
+    # wrong decode would leave them); verify names it from the early digest
+    ref = case.ref.copy()
+    target = case.ref.copy()
+    apply = VersionApply(case.layout, target, ref, base=BASE, version=TARGET)
+    apply.apply(case.chunks[0])
+    case.layout.view(target, "emb")[0] ^= 0x40
+    for c in case.chunks[1:]:
+        apply.apply(c)
+    assert set(apply.early_digests()) == {0, 1}
+    with pytest.raises(ChecksumMismatchError, match=r"1 tensor\(s\) differ after apply: emb"):
         apply.verify(case.chunks_manifest)
 
 
