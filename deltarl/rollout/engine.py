@@ -381,25 +381,43 @@ class VllmEngine:
         to move past the lag bound, so every group of that engine was requeued as doomed.
         Paid here, it falls before the engine loads a version and asks for work. The request
         goes straight to vLLM, not through ``add_group``: it is no group, counts no token and
-        leaves nothing held; what it caches is under the start version's salt, as any
-        request's would be.
+        leaves nothing held. It is salted and pooled under a namespace of its own
+        (``kv_pool_files.warm_up_namespace``), removed after it, so neither this engine's
+        prefix cache nor a shared KV pool holds its blocks under a weight version.
         """
         from vllm import SamplingParams  # noqa: PLC0415
 
         started = time.perf_counter()
         request_id = "deltarl-warm-up"
+        namespace = kv_pool_files.warm_up_namespace()
         # The path real groups take: sampled at a temperature, with the token's log-probability.
         params = SamplingParams(max_tokens=1, temperature=1.0, seed=0, logprobs=0)
-        (rendered,) = engine.renderer.render_cmpl([self._prompt(engine, "warm-up")])
-        engine.add_request(request_id, dict(rendered), params)
-        for _ in range(8):  # one step prefills and samples the one token; a few to be sure
-            if not engine.has_unfinished_requests():
-                break
-            engine.step()
-        if engine.has_unfinished_requests():
-            engine.abort_request([request_id])
-            raise RuntimeError("vLLM did not finish a one-token warm-up request in 8 steps")
+        prompt = {**self._prompt(engine, "warm-up"), "cache_salt": namespace}
+        (rendered,) = engine.renderer.render_cmpl([prompt])
+        self._set_pool_namespace(engine, namespace)
+        try:
+            engine.add_request(request_id, dict(rendered), params)
+            for _ in range(8):  # one step prefills and samples the one token; a few to be sure
+                if not engine.has_unfinished_requests():
+                    break
+                engine.step()
+            if engine.has_unfinished_requests():
+                engine.abort_request([request_id])
+                raise RuntimeError("vLLM did not finish a one-token warm-up request in 8 steps")
+        finally:
+            self._set_pool_namespace(engine, self.cache_salt)
+            if self.config.kv_pool is not None:
+                kv_pool_files.remove([Path(self.config.kv_pool) / namespace])
         return time.perf_counter() - started
+
+    def _set_pool_namespace(self, engine: LLMEngine, namespace: str) -> None:
+        """The KV pool's namespace in the engine core's connector and every worker's."""
+        if self.config.kv_pool is None:
+            return
+        from deltarl.rollout.kv_pool import set_namespace  # noqa: PLC0415 - imports vLLM
+
+        set_namespace(namespace)
+        engine.collective_rpc("deltarl_kv_namespace", args=(namespace,))
 
     def close(self) -> None:
         """Shut the engine down and free its model and KV cache; in-flight groups are lost.
@@ -690,10 +708,7 @@ class VllmEngine:
         connector (this process) and in every worker's."""
         if self.config.kv_pool is None:
             return
-        from deltarl.rollout.kv_pool import set_namespace  # noqa: PLC0415 - imports vLLM
-
-        set_namespace(self.cache_salt)
-        engine.collective_rpc("deltarl_kv_namespace", args=(self.cache_salt,))
+        self._set_pool_namespace(engine, self.cache_salt)
         # Older versions expire: renamed away now (no lookup can find them after this), their
         # files removed by a thread, off the refit path.
         trash = kv_pool_files.prune(

@@ -6,6 +6,7 @@ Layout under the pool's directory ``ROOT`` (shared by every engine of the pool):
     ROOT/deltarl-v7/<key>/<layer>.safetensors   a prompt's KV blocks computed by version 7
     ROOT/deltarl-v7/.staging/<key>-<pid>-<n>/   blocks being written by one engine process
     ROOT/.trash-deltarl-v5-<uuid>/              an expired version, being removed
+    ROOT/.trash-warm-up-<pid>-<uuid>/           an engine's warm-up request (``warm_up_namespace``)
 
 Invariants, and where they are kept:
 
@@ -44,6 +45,15 @@ def version_of(namespace: str) -> int | None:
     """The weight version of a namespace directory's name (``deltarl-v7`` -> 7), else None."""
     m = _VERSION.match(namespace)
     return int(m.group(1)) if m else None
+
+
+def warm_up_namespace() -> str:
+    """A namespace of its own for an engine's throw-away warm-up request (engine.py), so the
+    pool never holds its blocks under a weight version. Named as trash: the engine removes it
+    after the warm-up, and ``prune`` removes what an engine that died meanwhile left. Another
+    engine's prune may remove it while the warm-up writes: the save is then lost (``publish``
+    answers False), which costs a warm-up nothing."""
+    return f"{TRASH}warm-up-{os.getpid()}-{uuid.uuid4().hex}"
 
 
 def key_dir(root: str | os.PathLike[str], namespace: str, key: str) -> str:
