@@ -66,8 +66,9 @@ STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 REFIT_STAGE_SECONDS = Histogram(
     "deltarl_refit_stage_seconds",
     "Apply agent: seconds of each stage of an applied version (open: begin the write,"
-    " apply: decode and scatter the chunks, verify: checksums, commit: flip the active"
-    " buffer; total: first item to commit)",
+    " apply: decode and scatter the chunks, and hash the tensors they finished, verify:"
+    " checksums of the tensors not hashed yet, commit: flip the active buffer; total:"
+    " first item to commit)",
     ["stage"],
     buckets=STAGE_BUCKETS,
     registry=None,
