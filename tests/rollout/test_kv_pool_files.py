@@ -76,6 +76,21 @@ def test_prune_takes_dead_writers_leftovers_and_a_crashed_prunes_trash(tmp_path:
     assert not os.path.exists(dead)
 
 
+def test_a_warm_up_left_by_a_dead_engine_is_pruned_and_is_no_version(tmp_path: Path) -> None:
+    # fault: an engine died during its start's warm-up, its blocks published under the
+    # warm-up's namespace; the next prune takes them, and no lookup of a version finds them
+    ns = files.warm_up_namespace()
+    assert ns != files.warm_up_namespace()  # one per warm-up: engines never share one
+    assert files.version_of(ns) is None
+    staged = files.staging_dir(tmp_path, ns, "k", 1)
+    write_layers(staged)
+    assert files.publish(staged, files.key_dir(tmp_path, ns, "k"))
+    trash = files.prune(tmp_path, "deltarl-v0", keep=1)
+    assert trash == [tmp_path / ns]
+    files.remove(trash)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_prune_refuses_nonsense_and_ignores_foreign_namespaces(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="keep"):
         files.prune(tmp_path, "deltarl-v1", keep=0)
