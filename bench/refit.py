@@ -261,7 +261,7 @@ class Refits:
                 "copy_s": last["copy_s"],
                 "open_s": applied["open_s"],
                 # Of apply_s: tensors hashed as later chunks landed (the verify skips them).
-                "early_hash_s": applied.get("early_hash_s", 0.0),
+                "early_hash_s": applied["early_hash_s"],
                 "first_chunk_after_s": opened_at - last["started_at"],
                 "sent_to_commit_s": applied["committed_at"] - last["sent_at"],
                 # The acknowledgement's own latency: the flip to the export agent hearing of it

@@ -95,7 +95,7 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f"{d.get('opened_by') or '?'}: {d['open_s'] * 1e3:.1f} ms), commit "
             f"{d['sent_to_commit_s'] * 1e3:.1f} ms after the last send returned, acknowledged "
             f"{d['commit_to_ack_s'] * 1e3:.2f} ms after the commit; "
-            f"{d.get('early_hash_s', 0.0) * 1e3:.1f} ms of apply hashed tensors as chunks landed"
+            f"{d['early_hash_s'] * 1e3:.1f} ms of apply hashed tensors as chunks landed"
         )
     sealed = result.get("sealed")
     if sealed is not None:
