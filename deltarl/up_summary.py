@@ -468,7 +468,7 @@ def print_summary(summary: dict[str, Any], run: Run, out: IO[str]) -> None:
         f"  step time         {_step_line(s.get('step_time') or {})}",
         f"  held-out eval     {_eval_line(s)}",
         f"  deltas            median {s['wire_bytes_median'] / 1e6:.3f} MB on the wire "
-        f"({s.get('delta_coding', 'rice')} coding), {s['changed_ratio_median']:.4%} of the "
+        f"({s.get('delta_coding', 'rice')} coding), {s['changed_ratio_median'] * 100:.3g}% of the "
         "weights changed per version",
         f"  bit-exact         {exact}",
         f"  not trained       {_not_trained(s.get('counters') or {})}",

@@ -113,6 +113,9 @@ def test_deltarl_up_json_contract_and_learning(home: Path) -> None:
     # the live progress and the summary went to stderr
     assert "step  20/20" in proc.stderr
     assert "bit-exact         yes" in proc.stderr
+    # the changed share to three significant figures: 96.8%, 3.73% or 0.0123%, never 96.7774%
+    changed = f"{result['changed_ratio_median'] * 100:.3g}% of the weights changed per version"
+    assert changed in proc.stderr
     # where a step's time went: the trainer's serial parts add up to at most the step's wall
     t = result["step_time"]
     assert set(t) == {
