@@ -1,17 +1,20 @@
 """DeltaEncoder: from a reference and a current version to chunks and a manifest.
 
-The work is done in waves of whole tensors of about ``chunk_bytes`` model bytes, so the
-first chunk can be sent while later tensors are still being diffed:
+The work is done in waves of whole items (ranges of a tensor) of about ``chunk_bytes``
+model bytes, in layout order, so the first chunk can be sent while later items are still
+being diffed. A wave may end inside a tensor: a model's first and last tensors are its
+largest (the embedding and the output head: 1 GB each for a 128K vocabulary at 4096 wide in
+bf16), and a wave of a whole one would hold the link idle while it is diffed, at the start,
+and leave the receivers a large last chunk to apply after the last byte lands, at the end.
 
-    1) hash every tensor of the wave (the manifest's xxh3-128): the first wave's alone, then,
-       before the second, every tensor left in one call;
-    2) diff, code and Rice-write every item (tensor range) in parallel (kernels.encode_sparse);
-    3) choose each tensor's position coding from its changed ratio and exact coded sizes;
+    1) diff, code and Rice-write every item (tensor range) in parallel (kernels.encode_sparse);
+    2) choose each tensor's position coding from its changed ratio and exact coded sizes;
        with ``conditioned``, code each sparse float item against the reference's exponents
        too (conditioned.py) and keep that coding for the items where it is smaller;
-    4) pack the wave's records into chunks of at most chunk_bytes before compression (at
+    3) pack the wave's records into chunks of at most chunk_bytes before compression (at
        least one chunk per wave, so sending starts after the first wave), zstd the byte
-       planes of dense records, checksum (and, with ``hash_chunks``, BLAKE2b-256), yield.
+       planes of dense records, checksum (and, with ``hash_chunks``, BLAKE2b-256), yield;
+    4) after the last wave, hash every tensor (the manifest's xxh3-128) and make the manifest.
 
 The reference must be exactly what the receivers hold (docs/architecture.md, "Why it pays:
 the reference": the last transmitted version, never the trainer's previous step if it was not
@@ -62,6 +65,9 @@ DEFAULT_DENSE_THRESHOLD = 0.30
 # Items are the unit of parallel work and of a record; 1M elements keeps both cores busy on
 # a large tensor and keeps a record well under the chunk size.
 DEFAULT_ITEM_ELEMS = 1 << 20
+
+Piece = tuple[int, int, int]
+"""Part of a tensor a wave encodes: (tensor id, first element, end element), whole items."""
 
 
 @dataclass
@@ -210,16 +216,7 @@ class DeltaEncoder:
             pending, pending_bytes, pending_sparse = [], 0, 0
             return chunk
 
-        for w, wave in enumerate(self._waves()):
-            if w < 2:
-                # The first wave's tensors, so its chunk leaves soon; then every other tensor
-                # in one call: a call per wave cost 12 ms for 98M parameters against 8 for
-                # two (a wave of a few tensors keeps the hash threads unevenly busy).
-                t0 = time.perf_counter()
-                ids = wave if w == 0 else range(wave[0], len(self.layout.tensors))
-                for tid, digest in zip(ids, tensor_digests(self.layout, cur, ids), strict=True):
-                    tallies[tid].digest = digest
-                enc.timings.checksum_s += time.perf_counter() - t0
+        for wave in self._waves():
             for record in self._encode_wave(enc, wave, cur, ref, tallies, advance=advance):
                 sparse = 0 if record.header.pos_coding == POS_DENSE else record.header.changed
                 if pending and (
@@ -236,6 +233,14 @@ class DeltaEncoder:
                 yield flush()
         if not entries:  # every version has at least one chunk: it names the version
             yield flush()
+        # Every tensor's digest, in one call, once every chunk has left: the hash (a pass over
+        # the model, 14 ms for 98M parameters on two threads) holds no chunk back, and runs
+        # while the link drains the last chunks and the receivers apply them. Only the
+        # manifest waits for it.
+        t0 = time.perf_counter()
+        for tally, digest in zip(tallies, tensor_digests(self.layout, cur), strict=True):
+            tally.digest = digest
+        enc.timings.checksum_s += time.perf_counter() - t0
 
         tensors = [
             TensorEntry(
@@ -259,23 +264,35 @@ class DeltaEncoder:
             model_xxh3_128=model_digest(t.xxh3_128 for t in tensors),
         )
 
-    def _waves(self) -> Iterator[list[int]]:
-        """Groups of whole tensors of about chunk_bytes model bytes, in layout order."""
-        wave: list[int] = []
+    def _waves(self) -> Iterator[list[Piece]]:
+        """Groups of whole items, in layout order: a wave closes once it holds
+        ``chunk_bytes`` of model bytes, so it holds less than that plus one item. A tensor may
+        span waves; each wave holds at most one piece of it.
+
+        Tried and not kept (bench refit, 98M parameters, two cores): waves ramping up from an
+        eighth of ``chunk_bytes`` at the start and down to it at the end. At 100 Mbit it did
+        no better than these; at 1 Gbit, where the encoder and the apply agent share the
+        cores, its medians were 222-240 ms against 201-206."""
+        wave: list[Piece] = []
         size = 0
         for tid, spec in enumerate(self.layout.tensors):
-            wave.append(tid)
-            size += spec.nbytes
-            if size >= self.chunk_bytes:
-                yield wave
-                wave, size = [], 0
+            lo = 0
+            for s in range(0, spec.numel, self.item_elems):
+                end = min(spec.numel, s + self.item_elems)
+                size += (end - s) * spec.itemsize
+                if size >= self.chunk_bytes:
+                    wave.append((tid, lo, end))
+                    yield wave
+                    wave, size, lo = [], 0, end
+            if lo < spec.numel or spec.numel == 0:
+                wave.append((tid, lo, spec.numel))
         if wave:
             yield wave
 
     def _encode_wave(
         self,
         enc: VersionEncoding,
-        wave: list[int],
+        wave: list[Piece],
         cur: np.ndarray,
         ref: np.ndarray | None,
         tallies: list[TensorTally],
@@ -285,32 +302,32 @@ class DeltaEncoder:
         t1 = time.perf_counter()
         records: list[Record] = []
         # One kernel call per (width, float or int): the ordered delta differs between them.
-        by_size: dict[tuple[int, str], list[int]] = {}
-        for tid in wave:
-            spec = self.layout.tensors[tid]
-            if spec.numel:
-                by_size.setdefault((spec.itemsize, dtype_of(spec.dtype).kind), []).append(tid)
-        for (itemsize, _), tids in by_size.items():
+        by_size: dict[tuple[int, str], list[Piece]] = {}
+        for piece in wave:
+            spec = self.layout.tensors[piece[0]]
+            if piece[2] > piece[1]:
+                by_size.setdefault((spec.itemsize, dtype_of(spec.dtype).kind), []).append(piece)
+        for (itemsize, _), pieces in by_size.items():
             if ref is None:
-                records.extend(self._full_records(tids, cur, tallies))
+                records.extend(self._full_records(pieces, cur, tallies))
             else:
                 records.extend(
-                    self._delta_records(itemsize, tids, cur, ref, tallies, advance=advance)
+                    self._delta_records(itemsize, pieces, cur, ref, tallies, advance=advance)
                 )
         records.sort(key=lambda r: (r.header.tensor_id, r.header.start))
         enc.timings.diff_code_s += time.perf_counter() - t1
         return records
 
-    def _items(self, tids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _items(self, pieces: list[Piece]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(tensor id, first element in the flat view, length, start within tensor) per item."""
         owner, starts, lengths, local = [], [], [], []
-        for tid in tids:
+        for tid, lo, hi in pieces:
             spec = self.layout.tensors[tid]
             base = spec.offset // spec.itemsize
-            for s in range(0, spec.numel, self.item_elems):
+            for s in range(lo, hi, self.item_elems):
                 owner.append(tid)
                 starts.append(base + s)
-                lengths.append(min(self.item_elems, spec.numel - s))
+                lengths.append(min(self.item_elems, hi - s))
                 local.append(s)
         return (
             np.array(owner, np.int64),
@@ -320,10 +337,10 @@ class DeltaEncoder:
         )
 
     def _full_records(
-        self, tids: list[int], cur: np.ndarray, tallies: list[TensorTally]
+        self, pieces: list[Piece], cur: np.ndarray, tallies: list[TensorTally]
     ) -> Iterator[Record]:
-        owner, starts, lengths, local = self._items(tids)
-        bits = dtype_of(self.layout.tensors[tids[0]].dtype).bits
+        owner, starts, lengths, local = self._items(pieces)
+        bits = dtype_of(self.layout.tensors[pieces[0][0]].dtype).bits
         flat = cur.view(bits)
         for tid, s, n, loc in zip(owner, starts, lengths, local, strict=True):
             t = tallies[tid]
@@ -343,14 +360,14 @@ class DeltaEncoder:
     def _delta_records(
         self,
         itemsize: int,
-        tids: list[int],
+        pieces: list[Piece],
         cur: np.ndarray,
         ref: np.ndarray,
         tallies: list[TensorTally],
         *,
         advance: bool = False,
     ) -> list[Record]:
-        owner, starts, lengths, local = self._items(tids)
+        owner, starts, lengths, local = self._items(pieces)
         n_items = len(starts)
         out_off = np.zeros(n_items, np.int64)
         np.cumsum(lengths[:-1], out=out_off[1:])
@@ -360,7 +377,7 @@ class DeltaEncoder:
         counts, pos_k, val_k, pos_len, val_len = (np.zeros(n_items, np.int64) for _ in range(5))
         bits = np.dtype(f"<u{itemsize}")
         # every tensor of one call has the same kind (_encode_wave groups by width and kind)
-        is_float = dtype_of(self.layout.tensors[tids[0]].dtype).kind == "float"
+        is_float = dtype_of(self.layout.tensors[pieces[0][0]].dtype).kind == "float"
         keys = list(zip(owner.tolist(), local.tolist(), strict=True))
         before = np.array([self._changed_before.get(k, 0) for k in keys], np.int64)
         order, bounds = kernels.deal(lengths + CHANGE_COST_ELEMS * before)
@@ -397,22 +414,25 @@ class DeltaEncoder:
         )
         self._changed_before.update(zip(keys, counts.tolist(), strict=True))
 
-        # Position coding per tensor: dense past the threshold, else the smaller of Rice and
-        # a bitmap by exact size (Rice wins for scattered changes, bitmaps for long runs).
+        # Position coding per piece of a tensor (a wave holds at most one piece of each):
+        # dense past the threshold, else the smaller of Rice and a bitmap by exact size (Rice
+        # wins for scattered changes, bitmaps for long runs). A tensor in several waves is
+        # named in the manifest by the coding of its first piece that changed.
         coding: dict[int, int] = {}
-        for tid in tids:
+        for tid, lo, hi in pieces:
             mask = owner == tid
             changed = int(counts[mask].sum())
-            tallies[tid].changed = changed
+            tallies[tid].changed += changed
             if changed == 0:
                 continue
-            if changed > self.dense_threshold * self.layout.tensors[tid].numel:
+            if changed > self.dense_threshold * (hi - lo):
                 coding[tid] = POS_DENSE
             elif int(pos_len[mask].sum()) > int(((lengths[mask] + 7) // 8).sum()):
                 coding[tid] = POS_BITMAP
             else:
                 coding[tid] = POS_RICE
-            tallies[tid].coding = POS_NAMES[coding[tid]]
+            if tallies[tid].coding == "unchanged":
+                tallies[tid].coding = POS_NAMES[coding[tid]]
 
         coded = (
             self._conditioned_streams(

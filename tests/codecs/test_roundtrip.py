@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from deltarl.codecs.checksum import model_digest, tensor_digest
 from deltarl.codecs.decoder import VersionApply, decode_chunk
-from deltarl.codecs.encoder import DeltaEncoder
+from deltarl.codecs.encoder import DEFAULT_ITEM_ELEMS, DeltaEncoder
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
     HEADER,
@@ -260,6 +260,16 @@ def assert_same_tensors(layout: Layout, a: np.ndarray, b: np.ndarray) -> None:
         assert layout.view(a, i).tobytes() == layout.view(b, i).tobytes(), layout.tensors[i].name
 
 
+def assert_tiles(pieces: list[tuple[int, int]], numel: int) -> None:
+    """The pieces cover the tensor's elements once, in order."""
+    at = 0
+    for lo, hi in pieces:
+        assert lo == at
+        assert hi >= lo
+        at = hi
+    assert at == numel
+
+
 def check_manifest(
     layout: Layout,
     chunks: list[bytes],
@@ -269,8 +279,16 @@ def check_manifest(
     *,
     chunk_bytes: int,
     dense_threshold: float,
+    item_elems: int = DEFAULT_ITEM_ELEMS,
 ) -> None:
     full = ref is None
+    # The pieces of each tensor the encoder's waves held: each piece chooses its own coding,
+    # and a tensor is named by the coding of its first piece that changed.
+    waves = DeltaEncoder(layout, chunk_bytes=chunk_bytes, item_elems=item_elems)._waves()
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for wave in waves:
+        for tid, lo, hi in wave:
+            pieces.setdefault(tid, []).append((lo, hi))
     assert manifest.kind == ("full" if full else "delta")
     assert manifest.base_version == (NO_BASE if full else 0)
     digests = [tensor_digest(layout.view(cur, i)) for i in range(len(layout))]
@@ -286,9 +304,13 @@ def check_manifest(
         assert t.changed == true_changed, spec.name
         assert t.coding in DELTA_CODINGS
         assert (t.coding == "unchanged") == (true_changed == 0), spec.name
-        # "dense past the threshold" (encoder.py)
-        dense = true_changed > 0 and true_changed > dense_threshold * spec.numel
-        assert (t.coding == "dense") == dense, (spec.name, t.coding, true_changed)
+        # "dense past the threshold" (encoder.py), in the first piece that changed
+        diff = layout.view(ref, i) != layout.view(cur, i)
+        assert_tiles(pieces[i], spec.numel)
+        counted = [(int(diff[lo:hi].sum()), hi - lo) for lo, hi in pieces[i]]
+        first = next(((c, n) for c, n in counted if c), (0, 0))
+        dense = first[0] > 0 and first[0] > dense_threshold * first[1]
+        assert (t.coding == "dense") == dense, (spec.name, t.coding, true_changed, counted)
     assert manifest.changed == sum(t.changed for t in manifest.tensors)
 
     assert [c.id for c in manifest.chunks] == list(range(len(chunks)))
@@ -399,6 +421,7 @@ def test_round_trip(s: dict) -> None:
         cur,
         chunk_bytes=s["chunk_bytes"],
         dense_threshold=s["dense_threshold"],
+        item_elems=s["item_elems"],
     )
     order = rng.permutation(len(chunks)) if s["shuffle"] else None
     garbage = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
@@ -474,7 +497,9 @@ def test_one_whole_contiguous_run() -> None:
     ref = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
     cur = ref.copy()
     layout.view(cur, "emb")[64 * 100 : 64 * 140] = rng.integers(0, 1 << 16, 64 * 40)
-    chunks, manifest = encode(layout, cur, ref, chunk_bytes=4096)
+    # one wave: the tensor's coding is chosen on the whole of it (in small waves the piece
+    # that holds the run would be dense, rightly)
+    chunks, manifest = encode(layout, cur, ref, chunk_bytes=1 << 20)
     assert manifest.tensors[0].coding in ("rice", "bitmap")
     assert manifest.tensors[0].changed == int((layout.view(ref, 0) != layout.view(cur, 0)).sum())
     assert manifest.tensors[1].coding == "unchanged"
