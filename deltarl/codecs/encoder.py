@@ -417,7 +417,8 @@ class DeltaEncoder:
         # Position coding per piece of a tensor (a wave holds at most one piece of each):
         # dense past the threshold, else the smaller of Rice and a bitmap by exact size (Rice
         # wins for scattered changes, bitmaps for long runs). A tensor in several waves is
-        # named in the manifest by the coding of its first piece that changed.
+        # named in the manifest by the coding of its first piece that changed, or
+        # "conditioned" if any of its items was coded against the reference (below).
         coding: dict[int, int] = {}
         for tid, lo, hi in pieces:
             mask = owner == tid
