@@ -43,11 +43,13 @@ from deltarl.codecs.frame import (
     STREAM_PLANE0,
     STREAM_RICE,
     STREAM_VALUES,
+    VAL_CLASSED,
     VAL_RAW,
     FrameError,
     FrameHeader,
     RecordHeader,
     StreamHeader,
+    value_arithmetic,
 )
 from deltarl.codecs.frame_checks import check_records, check_versions, read_streams
 from deltarl.codecs.manifest import RefitManifest
@@ -180,7 +182,8 @@ def decode_chunk(
     last only until its next use (VersionApply decodes and applies chunk by chunk, so it
     uses this thread's scratch); without one they are freshly allocated. ``reference``: the
     base version's flat buffer, which conditioned records need to find their positions
-    (their coding walks its exponents); a chunk that has some is refused without it.
+    (their coding walks its exponents) and records with values coded by class their
+    values' Rice parameters; a chunk that has either is refused without it.
     """
     try:
         return _decode_chunk(data, layout, base, target, scratch, reference, None)
@@ -586,7 +589,7 @@ def _decode_sparse(
             SparseBatch(
                 itemsize,
                 np.array([r.tensor_id for r in rs], np.int64),
-                np.array([r.val_coding for r in rs], np.int64),
+                np.array([value_arithmetic(r.val_coding) for r in rs], np.int64),
                 np.array([r.start for r in rs], np.int64),
                 counts,
                 out_off,
@@ -648,12 +651,18 @@ def _decode_rice(
     write = into is not None
     errors = np.zeros(len(sel), np.int64)
     done = np.zeros(len(sel), np.int64)
-    if write:
+    classed = np.array([r.val_coding == VAL_CLASSED for r in rs], np.bool_)
+    if classed.any():
+        # the kernel reads each changed element's reference bits to find its class
+        j = int(np.flatnonzero(classed)[0])
+        _check_reference(ids[j], "its values are coded by class", reference, layout)
+    if write or classed.any():
         bases = batch.bases(layout)[sel]
-        target, ref = into.view(bits), (into if reference is None else reference).view(bits)
+        ref = (into if reference is None else reference).view(bits)
     else:
         bases = np.zeros(0, np.int64)
-        target = ref = np.zeros(0, bits)
+        ref = np.zeros(0, bits)
+    target = into.view(bits) if write else np.zeros(0, bits)
     order, bounds = kernels.deal(batch.counts[sel])
     out_off = batch.out_off[sel]
     if write:
@@ -680,6 +689,7 @@ def _decode_rice(
         target,
         ref,
         bases,
+        classed,
         batch.codings[sel],
         _floats(layout, batch.tensor_ids[sel]) if write else np.zeros(0, bool),
         prior,
@@ -716,17 +726,8 @@ def _decode_conditioned(
 ) -> None:
     """Decode conditioned records (one width) into their regions of positions / zval,
     walking the reference's exponents over each record's range: one call per float type."""
-    if reference is None:
-        raise FrameError(
-            f"record {ids[0]}: coded against the reference (conditioned), and no reference "
-            "was given to decode it with"
-        )
-    if reference.dtype != np.uint8 or reference.shape != (layout.nbytes,):
-        # the kernel reads the reference unchecked: it must be the whole laid-out buffer
-        raise ValueError(
-            f"the reference must be flat uint8 of {layout.nbytes} bytes, "
-            f"got {reference.dtype}{list(reference.shape)}"
-        )
+    _check_reference(ids[0], "coded against the reference (conditioned)", reference, layout)
+    assert reference is not None
     itemsize = rs[0].itemsize
     view = reference.view(np.dtype(f"<u{itemsize}"))
     dtypes = [layout.tensors[r.tensor_id].dtype for r in rs]
@@ -758,6 +759,18 @@ def _decode_conditioned(
         )
         _raise_first(
             errors, [ids[j] for j in sel], [rs[j] for j in sel], layout, conditioned.ERRORS
+        )
+
+
+def _check_reference(i: int, why: str, reference: np.ndarray | None, layout: Layout) -> None:
+    """FrameError if record i needs the reference to decode (``why``) and none was given;
+    ValueError if the one given is not the whole laid-out buffer (kernels read it unchecked)."""
+    if reference is None:
+        raise FrameError(f"record {i}: {why}, and no reference was given to decode it with")
+    if reference.dtype != np.uint8 or reference.shape != (layout.nbytes,):
+        raise ValueError(
+            f"the reference must be flat uint8 of {layout.nbytes} bytes, "
+            f"got {reference.dtype}{list(reference.shape)}"
         )
 
 

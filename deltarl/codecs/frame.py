@@ -99,7 +99,23 @@ POS_NAMES = {
 VAL_ORDERED_DELTA = 1  # zigzag(order(new) - order(ref)): small for the +-1 ulp steps of RL
 VAL_XOR = 2  # new ^ ref
 VAL_RAW = 3  # new bits, no reference (full versions)
-VAL_NAMES = {VAL_ORDERED_DELTA: "ordered-delta", VAL_XOR: "xor", VAL_RAW: "raw"}
+# ordered-delta values, Rice coded with a parameter per class of the reference element (its
+# exponent for bf16 and fp32: kernels.CLASS_BITS); the value stream opens with the table.
+# Rice and bitmap records of 16- and 32-bit elements only.
+VAL_CLASSED = 4
+VAL_NAMES = {
+    VAL_ORDERED_DELTA: "ordered-delta",
+    VAL_XOR: "xor",
+    VAL_RAW: "raw",
+    VAL_CLASSED: "ordered-delta-by-class",
+}
+
+
+def value_arithmetic(coding: int) -> int:
+    """The coding of a value's bits against the reference (VAL_CLASSED's is ordered-delta:
+    only its Rice parameters differ)."""
+    return VAL_ORDERED_DELTA if coding == VAL_CLASSED else coding
+
 
 COMP_NONE = 0
 COMP_ZSTD = 1

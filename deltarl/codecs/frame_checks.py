@@ -34,6 +34,7 @@ from deltarl.codecs.frame import (
     STREAM_PLANE0,
     STREAM_RICE,
     STREAM_VALUES,
+    VAL_CLASSED,
     VAL_NAMES,
     VAL_ORDERED_DELTA,
     VAL_RAW,
@@ -114,6 +115,11 @@ def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layo
         _check_rice_room(where, r.changed, "val_len", r.val_len, r.val_k)
         if r.val_coding == VAL_RAW:
             raise FrameError(f"{where}: a sparse record must be reference-coded")
+        if r.val_coding == VAL_CLASSED and (r.itemsize not in (2, 4) or r.val_k):
+            raise FrameError(
+                f"{where}: values coded by class need 2- or 4-byte elements and val_k 0 "
+                f"(the table carries the parameters), got {r.itemsize} bytes, val_k {r.val_k}"
+            )
         _check_position_room(where, r)
         sparse += r.changed
     if sparse > MAX_DECODED_ELEMS:

@@ -54,13 +54,31 @@ OUT_OF_RANGE = 2
 TRAILING = 3
 PADDING = 4
 BAD_VALUE = 5
+BAD_CLASSES = 6
+NO_CLASS = 7
 ERRORS = {
     EXHAUSTED: "a bit stream ends before all changed elements were decoded",
     OUT_OF_RANGE: "a decoded position lies outside the record's range or does not ascend",
     TRAILING: "a bit stream has bytes left over after the last element",
     PADDING: "a bit stream's padding bits are not zero",
     BAD_VALUE: "a decoded value does not fit the element width or codes no change",
+    BAD_CLASSES: "the value stream's class table is malformed",
+    NO_CLASS: "a changed element's class has no Rice parameter in the class table",
 }
+
+# Values coded by class (VAL_CLASSED in frame.py): a changed element's class is the top
+# CLASS_BITS bits of its reference element's magnitude (for bf16 and fp32, exactly its
+# exponent). The update an optimizer step makes is a few ulps, and the ulp is set by the
+# exponent, so the coded values' sizes depend on it: a Rice parameter per class takes the
+# values of simulated AdamW deltas from about 2.5 bits a change to 1.85. The value stream
+# opens with the table: the first class (8 bits), the number of classes less one (8 bits),
+# then each class's Rice parameter (CLASS_K_BITS bits), every class in between included.
+# Only for 16- and 32-bit elements (frame_checks).
+CLASS_BITS = 8
+N_CLASSES = 1 << CLASS_BITS
+CLASS_K_BITS = 5  # a Rice parameter is < 32 (the bit writer's limit)
+CLASS_TABLE_HEAD_BITS = 2 * CLASS_BITS
+_CLASS_LENGTHS = 33  # bit lengths of a coded value less one, for widths up to 32
 
 _U0 = np.uint64(0)
 _U1 = np.uint64(1)
@@ -145,18 +163,23 @@ def _tally(count, x):
 
 
 @njit(cache=True)
-def _rice_choose(count, escape, width):
-    """The best Rice parameter for numbers tallied by bit length.
+def _rice_best(count, escape, width):
+    """(k, estimated bits): the best Rice parameter for numbers tallied by bit length.
 
     The cost of every k is estimated from the buckets, taking the numbers of bit length L to
     lie at 3/4 of 2**L on average. A mean-based guess is not enough: a few outliers (a sign
     flip among +-1 ulp steps) would inflate k for every other value.
     """
+    top = 0  # one past the longest length tallied
+    for length in range(count.shape[0]):
+        if count[length]:
+            top = length + 1
     best_k = 0
     best = -1.0
-    for k in range(min(width, 32)):  # the bit writer takes at most 32 bits at a time
+    # the bit writer takes at most 32 bits at a time; a k past the longest length only costs
+    for k in range(min(width, 32, max(top, 1))):
         cost = 0.0
-        for length in range(65):
+        for length in range(top):
             c = count[length]
             if c == 0:
                 continue
@@ -166,7 +189,34 @@ def _rice_choose(count, escape, width):
         if best < 0 or cost < best:
             best = cost
             best_k = k
-    return best_k
+    return best_k, best
+
+
+@njit(cache=True)
+def _rice_choose(count, escape, width):
+    """The best Rice parameter for numbers tallied by bit length (``_rice_best``)."""
+    return _rice_best(count, escape, width)[0]
+
+
+@njit(cache=True)
+def _class_table(chist, ks, escape, width):
+    """(first class, classes, estimated bits with the table) of coding an item's values
+    with a Rice parameter per class (``ks``, filled in) from their tallies per class."""
+    lo = -1
+    hi = -1
+    bits = float(CLASS_TABLE_HEAD_BITS)
+    for cl in range(chist.shape[0]):
+        if chist[cl].sum() == 0:
+            ks[cl] = 0
+            continue
+        if lo < 0:
+            lo = cl
+        hi = cl
+        k, cost = _rice_best(chist[cl], escape, width)
+        ks[cl] = k
+        bits += cost
+    n = hi - lo + 1
+    return lo, n, bits + CLASS_K_BITS * n
 
 
 # -- bit writing and reading -------------------------------------------------------------------
@@ -335,18 +385,22 @@ def _finished(r, end, acc, nacc):
 
 
 @njit(inline="always")
-def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv):
+def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv, cls, chist):
     """Record element e as changed: its position, coded value, and both numbers' tallies;
-    unless ``adv`` is None, write its new bits into it (the reference itself: read first).
+    unless ``adv`` is None, write its new bits into it (the reference itself: read first);
+    unless ``cls`` is None, its class into ``cls`` and its value's tally into ``chist``.
 
     ``code`` is the value coding's (coding, sign_shift, magnitude, mask, is_float).
     """
     p = e - s
     coding, sign_shift, magnitude, mask, is_float = code
     new = cur[e]
-    z = _code_value(
-        np.uint64(new), np.uint64(ref[e]), coding, sign_shift, magnitude, mask, is_float
-    )
+    old = np.uint64(ref[e])
+    z = _code_value(np.uint64(new), old, coding, sign_shift, magnitude, mask, is_float)
+    if cls is not None:
+        k = (old & magnitude) >> (sign_shift - np.uint64(CLASS_BITS))
+        cls[o + c] = k
+        _tally(chist[k], z - _U1)
     if adv is not None:
         # Here the element's cache line was just read: a write now costs its write-back
         # only. A pass after the diff cost 15 ms on a 98M model at 2.5% changed (the
@@ -360,13 +414,14 @@ def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv):
 
 
 @njit(cache=True)
-def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv):
+def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv, cls, chist):
     """Write the changed positions (relative to s) and coded values of one item; return count.
     Unless ``adv`` is None, each changed element's new bits go into it too, after its mask is
     built and its old bits read (``adv`` may be ``ref``).
 
     ``hist`` (2 x 65) receives the bit-length tallies of the gaps (row 0) and of the coded
-    values minus one (row 1) for choosing the Rice parameters.
+    values minus one (row 1) for choosing the Rice parameters; unless ``cls`` is None,
+    ``chist`` (N_CLASSES x 33) those of the values per class, and ``cls`` each one's class.
     """
     c = 0
     prev = np.int64(-1)
@@ -399,7 +454,9 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv):
                 e = s + b * 64
                 while m != _U0:
                     j = np.int64(trailing_zeros(m))
-                    c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv)
+                    c, prev = _emit(
+                        ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv, cls, chist
+                    )
                     m &= m - _U1
         tail = s + nb * 64
     else:
@@ -411,11 +468,13 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv):
                 e = w * lanes
                 for j in range(lanes):
                     if ref[e + j] != cur[e + j]:
-                        c, prev = _emit(ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv)
+                        c, prev = _emit(
+                            ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv, cls, chist
+                        )
         tail = s + nw * lanes
     for e in range(tail, s + n):
         if ref[e] != cur[e]:
-            c, prev = _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv)
+            c, prev = _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv, cls, chist)
     return c
 
 
@@ -437,15 +496,18 @@ def encode_sparse(  # numba kernels are typed by their arguments
     val_dst,  # uint8: value streams; item i's region starts at val_cap_off[i]
     val_cap_off,
     adv,  # None, or the reference (as ref): each changed element's new bits are written there
+    cls,  # None, or uint8 scratch as pos: code the values by class where that is smaller
     counts,  # out int64[n]: changed elements
     pos_k,  # out int64[n]: Rice parameter of the positions
     val_k,  # out int64[n]: Rice parameter of the values
     pos_len,  # out int64[n]: bytes of the position stream
     val_len,  # out int64[n]: bytes of the value stream
+    classed,  # out bool[n]: the values are coded by class (the stream opens with the table)
     order,  # int64[n]: the items, thread by thread (deal())
     bounds,  # int64[threads + 1]: thread t takes order[bounds[t]:bounds[t + 1]]
 ):
-    """Diff, code and Rice-write every item. Regions must hold the worst case (encoder.py)."""
+    """Diff, code and Rice-write every item. Regions must hold the worst case (encoder.py):
+    the class table adds at most 2 + 5 * N_CLASSES / 8 bytes to a value stream."""
     width = ref.itemsize * 8
     sign_shift = np.uint64(width - 1)
     mask = _ALL >> np.uint64(64 - width)
@@ -459,8 +521,11 @@ def encode_sparse(  # numba kernels are typed by their arguments
             n = lengths[i]
             o = out_off[i]
             hist = np.zeros((2, 65), np.int64)
-            c = _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv)
+            # no rows unless classes are tallied: zeroing them costs a little per item
+            chist = np.zeros((N_CLASSES if cls is not None else 0, _CLASS_LENGTHS), np.int64)
+            c = _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv, cls, chist)
             counts[i] = c
+            classed[i] = False
             if c == 0:
                 pos_k[i] = 0
                 val_k[i] = 0
@@ -468,14 +533,29 @@ def encode_sparse(  # numba kernels are typed by their arguments
                 val_len[i] = 0
                 continue
             kp = _rice_choose(hist[0], POSITION_WIDTH, POSITION_WIDTH)
-            kv = _rice_choose(hist[1], escape, width)
+            kv, single = _rice_best(hist[1], escape, width)
+            ks = np.zeros(N_CLASSES, np.int64)
+            lo = 0
+            n_cls = 0
+            by_class = False
+            if cls is not None:
+                lo, n_cls, bits = _class_table(chist, ks, escape, width)
+                by_class = bits < single
+            classed[i] = by_class
             pos_k[i] = kp
-            val_k[i] = kv
+            val_k[i] = 0 if by_class else kv
 
             # Both streams in one loop: their writer states are independent, so the CPU works
             # on the two codes of an element at once.
             dp, accp, naccp = pos_cap_off[i], _U0, 0
             dv, accv, naccv = val_cap_off[i], _U0, 0
+            if by_class:
+                dv, accv, naccv = _put(val_dst, dv, accv, naccv, np.uint64(lo), CLASS_BITS)
+                dv, accv, naccv = _put(val_dst, dv, accv, naccv, np.uint64(n_cls - 1), CLASS_BITS)
+                for cl in range(lo, lo + n_cls):
+                    dv, accv, naccv = _put(
+                        val_dst, dv, accv, naccv, np.uint64(ks[cl]), CLASS_K_BITS
+                    )
             prev = np.int64(-1)
             for j in range(c):
                 p = np.int64(pos[o + j])
@@ -484,8 +564,11 @@ def encode_sparse(  # numba kernels are typed by their arguments
                 dp, accp, naccp = _put_rice(
                     pos_dst, dp, accp, naccp, gap, kp, POSITION_WIDTH, POSITION_WIDTH
                 )
+                k = kv
+                if cls is not None and by_class:
+                    k = ks[cls[o + j]]
                 dv, accv, naccv = _put_rice(
-                    val_dst, dv, accv, naccv, zval[o + j] - _U1, kv, escape, width
+                    val_dst, dv, accv, naccv, zval[o + j] - _U1, k, escape, width
                 )
             pos_len[i] = _flush(pos_dst, dp, accp, naccp) - pos_cap_off[i]
             val_len[i] = _flush(val_dst, dv, accv, naccv) - val_cap_off[i]
@@ -515,8 +598,11 @@ def decode_sparse(
     bounds,  # int64[threads + 1]
     write,  # also write each decoded element into target (the arguments below)
     target,  # uintN: the buffer written, viewed at the element width
-    reference,  # uintN: the buffer the coded values are decoded against (may be target)
-    bases,  # int64[n]: each record's first element in target / reference
+    reference,  # uintN: the buffer the coded values are decoded against (may be target);
+    # read also without ``write`` where a record's values are coded by class
+    bases,  # int64[n]: each record's first element in target / reference (with write or
+    # classes)
+    classed,  # bool[n]: the record's values are coded by class of the reference element
     codings,  # int64[n]: each record's value coding
     is_float,  # bool[n]: each record's elements are floats (their order is not the bits')
     prior,  # uintN out: the bits each write replaced, at the element's slot in zval
@@ -526,14 +612,18 @@ def decode_sparse(
     ``write``, write every element as soon as it is decoded and checked.
 
     Never reads outside a record's stream regions nor writes outside its output region and
-    its range of target; the caller checks that the regions and ranges lie inside the arrays.
+    its range of target (nor reads outside its range of reference); the caller checks that
+    the regions and ranges lie inside the arrays.
     A record refused part way has written ``done[i]`` elements, each with its old bits in
     ``prior``: ``undo_sparse`` restores them.
     """
     mask = _ALL >> np.uint64(64 - width)
     sign_shift = np.uint64(width - 1)
     magnitude = mask >> _U1
+    # classes exist for 16- and 32-bit elements only (frame_checks): no shift otherwise
+    class_shift = np.uint64(max(width - 1 - CLASS_BITS, 0))
     for th in prange(bounds.shape[0] - 1):
+        ks = np.zeros(N_CLASSES, np.int64)
         for q in range(bounds[th], bounds[th + 1]):
             i = order[q]
             n = counts[i]
@@ -557,15 +647,22 @@ def decode_sparse(
             kp = pos_k[i]
             kv = val_k[i]
             length = lengths[i]
+            by_class = classed[i]
             # read once: the target's writes could alias these arrays for all LLVM knows
-            b = bases[i] if write else 0
+            b = bases[i] if write or by_class else 0
             coding = codings[i] if write else 0
             fl = is_float[i] if write else False
+            lo = np.int64(0)
+            n_cls = np.int64(0)
+            if by_class:
+                err, lo, n_cls, rv, accv, naccv = _read_class_table(
+                    val_src, rv, endv, accv, naccv, ks, width
+                )
             # Each element's stores come after both its reads, in a while loop: the same work
             # as a for loop that stored the position as soon as it was read took 28 ms
             # against 20 for step 1 of the simulated 98M delta, writing (p25 of 30 runs).
             j = 0
-            while j < n:
+            while j < n and err == OK:
                 if given:
                     p = np.int64(positions[o + j])
                 else:
@@ -580,7 +677,14 @@ def decode_sparse(
                         err = OUT_OF_RANGE
                         break
                     prev = p
-                v, rv, accv, naccv, ok = _get_rice(val_src, rv, endv, accv, naccv, kv, width, width)
+                k = kv
+                if by_class:
+                    cl = np.int64((np.uint64(reference[b + p]) & magnitude) >> class_shift) - lo
+                    if cl < 0 or cl >= n_cls:
+                        err = NO_CLASS
+                        break
+                    k = ks[cl]
+                v, rv, accv, naccv, ok = _get_rice(val_src, rv, endv, accv, naccv, k, width, width)
                 if not ok:
                     err = EXHAUSTED
                     break
@@ -603,6 +707,28 @@ def decode_sparse(
             if err == OK:
                 err = _finished(rv, endv, accv, naccv)
             errors[i] = err
+
+
+@njit(inline="always")
+def _read_class_table(src, r, end, acc, nacc, ks, width):
+    """(error, first class, classes, r, acc, nacc): a value stream's class table, its Rice
+    parameters into ks[0:classes]."""
+    lo, r, acc, nacc, ok1 = _get_bits(src, r, end, acc, nacc, CLASS_BITS)
+    n, r, acc, nacc, ok2 = _get_bits(src, r, end, acc, nacc, CLASS_BITS)
+    if not (ok1 and ok2):
+        return EXHAUSTED, np.int64(0), np.int64(0), r, acc, nacc
+    first = np.int64(lo)
+    classes = np.int64(n) + 1
+    if first + classes > N_CLASSES:
+        return BAD_CLASSES, first, classes, r, acc, nacc
+    for j in range(classes):
+        k, r, acc, nacc, ok = _get_bits(src, r, end, acc, nacc, CLASS_K_BITS)
+        if not ok:
+            return EXHAUSTED, first, classes, r, acc, nacc
+        if k >= np.uint64(min(32, width)):
+            return BAD_CLASSES, first, classes, r, acc, nacc
+        ks[j] = np.int64(k)
+    return OK, first, classes, r, acc, nacc
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)

@@ -33,6 +33,10 @@ from deltarl.codecs.frame import (
 )
 from deltarl.codecs.values import to_planes
 
+# An item's class table at most: two bytes of head and a 5-bit parameter for each of 256
+# classes (kernels.CLASS_BITS, CLASS_K_BITS), rounded up to whole words.
+CLASS_TABLE_BYTES = 168
+
 
 @dataclass
 class SparseScratch:
@@ -40,22 +44,28 @@ class SparseScratch:
 
     Worst cases per element of an item: one position (uint32) and one coded value;
     a Rice-coded gap costs at most 64 bits (unary < 32 plus k < 32, or the 32-bit escape plus
-    32 bits), a coded value at most twice its width (escape plus the value). Pages that are
-    never written are never committed, so the reservation costs address space, not memory.
+    32 bits), a coded value at most twice its width (escape plus the value), and an item's
+    value stream at most CLASS_TABLE_BYTES more (values coded by class open with a table).
+    Pages that are never written are never committed, so the reservation costs address
+    space, not memory.
     """
 
     pos: np.ndarray
     zval: np.ndarray
+    cls: np.ndarray  # uint8: each changed element's class (values coded by class)
     pos_dst: np.ndarray
     val_dst: np.ndarray
+    items: int  # the items whose class tables val_dst has room for
 
     @classmethod
-    def sized(cls, elems: int, itemsize: int) -> SparseScratch:
+    def sized(cls, elems: int, itemsize: int, items: int) -> SparseScratch:
         return cls(
             np.empty(elems, np.uint32),
             np.empty(elems, np.uint64),
+            np.empty(elems, np.uint8),
             np.empty(elems * 8 + 8, np.uint8),
-            np.empty(elems * 2 * itemsize + 8, np.uint8),
+            np.empty(elems * 2 * itemsize + items * CLASS_TABLE_BYTES + 8, np.uint8),
+            items,
         )
 
 

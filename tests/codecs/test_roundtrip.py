@@ -21,12 +21,14 @@ from deltarl.codecs.frame import (
     KIND_FULL,
     NO_BASE,
     RECORD,
+    VAL_CLASSED,
     VAL_ORDERED_DELTA,
     VAL_RAW,
     VAL_XOR,
 )
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.engine.layout import Layout, dtype_of
+from tests.codecs.forge import Forged
 
 DTYPES = [
     "bfloat16",
@@ -375,6 +377,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
         "full": bool(rng.random() < 0.15),
         "inplace": bool(rng.random() < 0.5),
         "shuffle": bool(rng.random() < 0.5),
+        "value_classes": bool(rng.random() < 0.7),
     }
 
 
@@ -401,6 +404,7 @@ def test_round_trip(s: dict) -> None:
         "dense_threshold": s["dense_threshold"],
         "value_coding": s["value_coding"],
         "item_elems": s["item_elems"],
+        "value_classes": s["value_classes"],
     }
     chunks, manifest = encode(layout, cur, base, **settings)  # type: ignore[arg-type]
     if base is not None:
@@ -413,6 +417,10 @@ def test_round_trip(s: dict) -> None:
     for t in manifest.tensors:  # what the examples covered (--hypothesis-show-statistics)
         event(f"coding {t.coding}")
     event("several chunks" if len(chunks) > 1 else "one chunk")
+    codings = {r.val_coding for c in chunks for r in Forged.parse(c).records}
+    event("values by class" if VAL_CLASSED in codings else "no values by class")
+    if not s["value_classes"]:
+        assert VAL_CLASSED not in codings
     check_manifest(
         layout,
         chunks,
