@@ -46,11 +46,18 @@ def measure(
     poll_s: float = 0.05,
     *,
     conditioned: bool = False,
+    value_classes: bool = True,
 ) -> list[dict[str, Any]]:
     """The next ``versions`` versions of ``store`` (the first in full), encoded and applied;
     TimeoutError (with the versions measured so far in its args) if they do not come.
-    ``conditioned``: code the deltas as ``delta_coding = "conditioned"`` does."""
-    encoder = DeltaEncoder(store.layout, chunk_bytes=chunk_bytes, conditioned=conditioned)
+    ``conditioned``: code the deltas as ``delta_coding = "conditioned"`` does;
+    ``value_classes`` as the export agent's setting of that name does."""
+    encoder = DeltaEncoder(
+        store.layout,
+        chunk_bytes=chunk_bytes,
+        conditioned=conditioned,
+        value_classes=value_classes,
+    )
     full_bytes = store.layout.nbytes
     previous: np.ndarray | None = None
     previous_version: int | None = None
@@ -175,6 +182,7 @@ def main(argv: list[str]) -> int:
             cfg.chunk_bytes,
             cfg.poll_s,
             conditioned=cfg.delta_coding == "conditioned",
+            value_classes=cfg.value_classes,
         )
     except TimeoutError as e:
         rows, code = list(e.args[0]), 3

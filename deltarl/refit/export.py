@@ -212,6 +212,7 @@ class ExportCore(DaemonCore):
             "ack_timeout_s",
             "keep_versions",
             "delta_coding",
+            "value_classes",
         }
     )
 
@@ -277,6 +278,7 @@ class ExportCore(DaemonCore):
             chunk_bytes=cfg.chunk_bytes,
             hash_chunks=self.mac_key is not None,
             conditioned=cfg.delta_coding == "conditioned",
+            value_classes=cfg.value_classes,
         )
         while not self.draining:
             self._spent = False
@@ -468,6 +470,7 @@ class ExportCore(DaemonCore):
             del self._sends[min(self._sends)]
         # read per version: delta_coding may change by reload (the receivers need nothing)
         self.encoder.conditioned = self.config.delta_coding == "conditioned"
+        self.encoder.value_classes = self.config.value_classes
         encoding = self.encoder.encode(
             source,
             None if reason else current,

@@ -20,6 +20,14 @@ STEP_KEYS = {
     "classed_rice_bytes_per_change": float,
     "bit_exact": bool,
     "conditioned": dict,
+    "one_value_parameter": dict,
+}
+ONE_PARAMETER_KEYS = {
+    "wire_bytes": int,
+    "bytes_per_change": float,
+    "encode_gbps": float,
+    "apply_gbps": float,
+    "bit_exact": bool,
 }
 CONDITIONED_KEYS = {
     "wire_bytes": int,
@@ -85,6 +93,14 @@ def test_bench_codec_json_shape_and_bit_exactness():
         assert 0 < c["wire_bytes"] <= s["wire_bytes"] + 24
         ordered = s["entropy_ordered_bytes_per_change"]
         assert c["vs_ordered_bound"] == c["bytes_per_change"] / ordered
+        # one Rice parameter per record's values: bit-exact, and the default coding (a
+        # parameter per class where smaller) never larger than it
+        k = s["one_value_parameter"]
+        assert set(k) == set(ONE_PARAMETER_KEYS)
+        for key, kind in ONE_PARAMETER_KEYS.items():
+            assert isinstance(k[key], kind), (key, k[key])
+        assert k["bit_exact"] is True
+        assert s["wire_bytes"] < k["wire_bytes"]
 
 
 def test_bench_codec_table_names_the_targets():
@@ -110,3 +126,4 @@ def test_bench_codec_table_names_the_targets():
     assert "bit-exact" in out.stdout
     assert "x the bound" in out.stdout
     assert "x memcpy" in out.stdout
+    assert "values by class: wire" in out.stdout

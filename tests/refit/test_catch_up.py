@@ -150,7 +150,12 @@ def test_a_catch_up_that_goes_wrong_never_activates_bad_bytes(tmp_path: Path) ->
             await tx.send(core, v, *tx.encoded(v, base))
         forged = tx.enc.encode(vs[4], vs[1], target_version=2, base_version=1)
         core.kept = KeptDelta(
-            2, 1, [owned(decode_chunk(c.data, layout, base=1, target=2)) for c in forged]
+            2,
+            1,
+            [
+                owned(decode_chunk(c.data, layout, base=1, target=2, reference=vs[1]))
+                for c in forged
+            ],
         )
         await tx.send(core, 3, *tx.encoded(3, 2))
         state = core.receiver_state()
@@ -184,7 +189,10 @@ def test_catch_up_in_place_equals_the_version(steps: int) -> None:
     tx = Sender(layout, vs)
     for v in range(1, steps + 1):
         chunks, _ = tx.encoded(v, v - 1)
-        decoded = [owned(decode_chunk(c, layout, base=v - 1, target=v)) for c in chunks]
+        decoded = [
+            owned(decode_chunk(c, layout, base=v - 1, target=v, reference=vs[v - 1]))
+            for c in chunks
+        ]
         buf = vs[v - 1].copy()
         KeptDelta(v, v - 1, decoded).catch_up(layout, buf)
         assert np.array_equal(buf, vs[v])
@@ -242,7 +250,9 @@ def test_an_undo_that_does_not_verify_is_refused_and_changes_nothing(tmp_path: P
         undo = core.undo
         assert undo is not None
         other = tx.enc.encode(vs[0], vs[3], target_version=3, base_version=2)
-        bogus = [owned(decode_chunk(c.data, layout, base=2, target=3)) for c in other]
+        bogus = [
+            owned(decode_chunk(c.data, layout, base=2, target=3, reference=vs[3])) for c in other
+        ]
         core.undo = Undo(undo.holds, undo.restores, bogus, undo.manifest)
         refused = await core.on_rollback(Rollback())
         assert isinstance(refused, Error)
