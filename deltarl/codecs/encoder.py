@@ -425,7 +425,10 @@ class DeltaEncoder:
             sc.val_dst,
             val_cap,
             ref_flat if fused else None,  # None: a kernel compiled without the writes
-            sc.cls if by_class else None,  # None: compiled without the classes
+            # Tallied by class for every 16- and 32-bit kind, used only where by_class: one
+            # kernel per width, not two (each costs about a minute of compiling per variant)
+            sc.cls if itemsize in (2, 4) else None,
+            by_class,
             counts,
             pos_k,
             val_k,

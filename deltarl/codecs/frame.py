@@ -33,7 +33,10 @@ Streams (each kind at most once per chunk):
 - STREAM_BITMAP: the little-endian bitmaps of every POS_BITMAP record, ceil(length/8) bytes each;
 - STREAM_VALUES: the Rice-coded values (parameter val_k; each coded value minus one, since a
   changed element never codes to zero) of every POS_RICE and POS_BITMAP record, ``val_len``
-  bytes each, in record order (kernels.py describes the code and its escape);
+  bytes each, in record order (kernels.py describes the code and its escape); a VAL_CLASSED
+  record's part opens with its class table (first class u8-wide, classes less one u8-wide,
+  then a 5-bit parameter per class, bit-packed like the codes; val_k 0), and each value
+  takes the parameter of its reference element's class (kernels.CLASS_BITS);
 - STREAM_PLANE0 + p: byte p of the coded values of every POS_DENSE record whose itemsize
   exceeds p, in record order (byte planes: bytes of equal significance compress far better);
 - STREAM_CONDITIONED: the range-coded positions and values of every POS_CONDITIONED record,
