@@ -155,6 +155,12 @@ def _record_values(case: Case, r: RecordHeader) -> tuple[list[int], list[int]]:
     return [int(v) - 1 for v in z], [_class_of(int(o), width) for o in old[where]]
 
 
+def _table(f: Forged, i: int) -> tuple[int, list[int]]:
+    """Record i's class table, read from its value stream."""
+    at, n = f.part(i, STREAM_VALUES)
+    return _read_table(f.stream(STREAM_VALUES).raw[at : at + n])
+
+
 def _classed(f: Forged) -> int:
     return next(i for i, r in enumerate(f.records) if r.val_coding == VAL_CLASSED)
 
@@ -233,8 +239,7 @@ def test_forged_model_stream_applies() -> None:
     case = _case()
     f = Forged.parse(case.chunk)
     i = _classed(f)
-    at, n = f.part(i, STREAM_VALUES)
-    lo, ks = _read_table(f.stream(STREAM_VALUES).raw[at : at + n])
+    lo, ks = _table(f, i)
     _rewrite(f, i, lo, ks, case)
     assert apply_ok(case, f.seal()).tobytes() == case.cur.tobytes()
 
@@ -243,8 +248,7 @@ def test_a_class_missing_from_the_table() -> None:
     case = _case()
     f = Forged.parse(case.chunk)
     i = _classed(f)
-    at, n = f.part(i, STREAM_VALUES)
-    lo, ks = _read_table(f.stream(STREAM_VALUES).raw[at : at + n])
+    lo, ks = _table(f, i)
     values, classes = _record_values(case, f.records[i])
     # the lowest class dropped: the stream is consistent up to its first element
     stream = _write_classed(
@@ -271,13 +275,13 @@ def test_malformed_class_table(table: object) -> None:
     case = _case()
     f = Forged.parse(case.chunk)
     i = next(j for j, r in enumerate(f.records) if r.val_coding == VAL_CLASSED and r.itemsize == 2)
-    at, n = f.part(i, STREAM_VALUES)
-    lo, ks = _read_table(f.stream(STREAM_VALUES).raw[at : at + n])
+    lo, ks = _table(f, i)
     new_lo, new_ks = table(lo, ks)  # type: ignore[operator]
     head = _bits(new_lo, 8) + _bits(len(new_ks) - 1, 8)
     for k in new_ks:
         head += _bits(k, kernels.CLASS_K_BITS)
-    f.replace_part(i, STREAM_VALUES, _pack(head) + bytes(n))
+    # room enough after the table that only the table can be what is refused
+    f.replace_part(i, STREAM_VALUES, _pack(head) + bytes(f.records[i].val_len))
     assert_refused(case, f.seal(), "class table is malformed")
 
 
