@@ -41,7 +41,8 @@ changed ratio per tensor group.
 deltas it will carry, not only on a simulation of them.
 
 Every timing is the median of ``--repeat`` runs on warm buffers; the kernels are compiled
-before the first timed run.
+before the first timed run. The default coding and the coding with one value parameter per
+record (``one_value_parameter``) are timed in the same rounds, one after the other.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -188,15 +190,14 @@ def run(
     for step, (ref, cur) in enumerate(source, start=1):
         memcpy.append(memcpy_gbps(layout.nbytes))
 
-        chunks, encode_s, (apply_s, two_s), bit_exact = _measure(
-            encoder, layout, ref, cur, step, repeat, two_buffers=True
+        # the default coding and the one without classes in the same rounds; the
+        # conditioned coding, ten times slower, in rounds of its own
+        default, one_k = _measure(
+            [encoder, one_k_encoder], layout, ref, cur, step, repeat, two_buffers=True
         )
-        c_chunks, c_encode_s, (c_apply_s, _), c_exact = _measure(
-            conditioned_encoder, layout, ref, cur, step, repeat
-        )
-        k_chunks, k_encode_s, (k_apply_s, _), k_exact = _measure(
-            one_k_encoder, layout, ref, cur, step, repeat
-        )
+        (cond,) = _measure([conditioned_encoder], layout, ref, cur, step, repeat)
+        chunks, c_chunks, k_chunks = default.chunks, cond.chunks, one_k.chunks
+        bit_exact = default.bit_exact
         k_wire = sum(len(c.data) for c in k_chunks)
         changed, bound = iid_bound_bytes_per_change(layout, ref, cur)
         _, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
@@ -216,9 +217,9 @@ def run(
                 "entropy_ordered_bytes_per_change": ordered,
                 "entropy_conditioned_bytes_per_change": conditioned,
                 "classed_rice_bytes_per_change": classed,
-                "encode_gbps": model_bytes / encode_s / 1e9,
-                "apply_gbps": model_bytes / apply_s / 1e9,
-                "apply_two_buffers_gbps": model_bytes / two_s / 1e9,
+                "encode_gbps": model_bytes / default.encode_s / 1e9,
+                "apply_gbps": model_bytes / default.apply_s / 1e9,
+                "apply_two_buffers_gbps": model_bytes / default.two_s / 1e9,
                 "bit_exact": bit_exact,
                 # the same delta coded against the reference's exponents (conditioned.py),
                 # measured beside the default coding in the same run
@@ -226,18 +227,18 @@ def run(
                     "wire_bytes": c_wire,
                     "bytes_per_change": c_wire / changed if changed else 0.0,
                     "vs_ordered_bound": c_wire / changed / ordered if changed else 0.0,
-                    "encode_gbps": model_bytes / c_encode_s / 1e9,
-                    "apply_gbps": model_bytes / c_apply_s / 1e9,
-                    "bit_exact": c_exact,
+                    "encode_gbps": model_bytes / cond.encode_s / 1e9,
+                    "apply_gbps": model_bytes / cond.apply_s / 1e9,
+                    "bit_exact": cond.bit_exact,
                 },
                 # the default coding with one Rice parameter per record for the values, not
                 # one per class of the reference element (value_classes=False), same run
                 "one_value_parameter": {
                     "wire_bytes": k_wire,
                     "bytes_per_change": k_wire / changed if changed else 0.0,
-                    "encode_gbps": model_bytes / k_encode_s / 1e9,
-                    "apply_gbps": model_bytes / k_apply_s / 1e9,
-                    "bit_exact": k_exact,
+                    "encode_gbps": model_bytes / one_k.encode_s / 1e9,
+                    "apply_gbps": model_bytes / one_k.apply_s / 1e9,
+                    "bit_exact": one_k.bit_exact,
                 },
             }
         )
@@ -251,8 +252,19 @@ def run(
     return result
 
 
+@dataclass
+class _Measured:
+    """One encoder on one delta: its chunks, median seconds, and bit-exact every time."""
+
+    chunks: list[Chunk]
+    encode_s: float
+    apply_s: float  # in place: the reference is the target
+    two_s: float  # into another buffer than the reference; NaN unless two_buffers
+    bit_exact: bool
+
+
 def _measure(
-    encoder: DeltaEncoder,
+    encoders: list[DeltaEncoder],
     layout: Layout,
     ref: np.ndarray,
     cur: np.ndarray,
@@ -260,41 +272,49 @@ def _measure(
     repeat: int,
     *,
     two_buffers: bool = False,
-) -> tuple[list[Chunk], float, tuple[float, float], bool]:
-    """(chunks, encode seconds, (apply seconds in place, into another buffer: NaN unless
-    ``two_buffers``), bit-exact every time) of one encoder on one delta."""
-    out: dict[str, Any] = {}
-
-    def encode() -> None:
-        e = encoder.encode(cur, ref, target_version=step, base_version=step - 1)
-        out["chunks"] = list(e)
-        out["manifest"] = e.manifest
-
-    encode_s = _median_time(encode, repeat)
-    chunks: list[Chunk] = out["chunks"]
-    manifest: RefitManifest = out["manifest"]
+) -> list[_Measured]:
+    """Each encoder on one delta, side by side: every round times each encoder's encode and
+    then each one's apply, in turn (reversed every other round), so that the machine's drift
+    within a step falls on all of them alike. Timed one encoder after another, a coding had
+    looked as fast as another whose apply the interleaved rounds put 10-30% slower."""
+    n = len(encoders)
+    times: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in ("enc", "in", "two")}
+    chunks: list[list[Chunk]] = [[] for _ in range(n)]
+    exact = [True] * n
     target = np.empty_like(ref)
-    exact = True
-
-    def apply(reference: np.ndarray) -> float:
-        """Median seconds to apply and verify into ``target`` (holding ``ref`` first)."""
-        nonlocal exact
-
-        def once() -> None:
-            va = VersionApply(layout, target, reference, base=step - 1, version=step)
-            for c in chunks:
-                va.apply(c.data)
-            va.verify(manifest)
-
-        seconds = _median_time(once, repeat, setup=lambda: np.copyto(target, ref))
-        exact = exact and bool(np.array_equal(target, cur))
-        return seconds
-
-    # In place, as a receiver that holds one copy would: the reference is the target. Then
-    # (two_buffers) reading the reference from another buffer, as the apply agent does.
-    in_place = apply(target)
-    other = apply(ref) if two_buffers else math.nan
-    return chunks, encode_s, (in_place, other), exact
+    for r in range(repeat):
+        turn = list(range(n)) if r % 2 == 0 else list(range(n))[::-1]
+        manifests: dict[int, RefitManifest] = {}
+        for k in turn:
+            t = time.perf_counter()
+            e = encoders[k].encode(cur, ref, target_version=step, base_version=step - 1)
+            chunks[k] = list(e)
+            times["enc"][k].append(time.perf_counter() - t)
+            manifests[k] = e.manifest
+        # In place, as a receiver that holds one copy would: the reference is the target.
+        # Then (two_buffers) reading the reference from another buffer, as the apply agent does.
+        for where in ("in", "two") if two_buffers else ("in",):
+            for k in turn:
+                np.copyto(target, ref)
+                t = time.perf_counter()
+                va = VersionApply(
+                    layout, target, target if where == "in" else ref, base=step - 1, version=step
+                )
+                for c in chunks[k]:
+                    va.apply(c.data)
+                va.verify(manifests[k])
+                times[where][k].append(time.perf_counter() - t)
+                exact[k] = exact[k] and bool(np.array_equal(target, cur))
+    return [
+        _Measured(
+            chunks[k],
+            statistics.median(times["enc"][k]),
+            statistics.median(times["in"][k]),
+            statistics.median(times["two"][k]) if two_buffers else math.nan,
+            exact[k],
+        )
+        for k in range(n)
+    ]
 
 
 def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
