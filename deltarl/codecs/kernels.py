@@ -22,8 +22,8 @@ The values of 16- and 32-bit elements may be coded by class (CLASS_BITS below): 
 records each change's class (its reference element's exponent) and tallies the values' bit
 lengths per class, and an item whose values cost less with a Rice parameter per class than
 with one writes the class table first and then each value with its class's parameter; the
-decoder reads the table, then finds each value's parameter from the reference element at
-the position it has just decoded.
+decoder reads the table, then each change's position and its parameter from its reference
+element CLASS_LEAD changes ahead of its value.
 
 Items run in parallel, dealt to threads by cost (``deal``). Item ``i`` writes only into its
 own regions of the output arrays, whose offsets the caller gives, so items never depend on
@@ -86,6 +86,9 @@ N_CLASSES = 1 << CLASS_BITS
 CLASS_K_BITS = 5  # a Rice parameter is < 32 (the bit writer's limit)
 CLASS_TABLE_HEAD_BITS = 2 * CLASS_BITS
 _CLASS_LENGTHS = 33  # bit lengths of a coded value less one, for widths up to 32
+# How many changes ahead of the values the decoder reads positions and looks up their
+# classes' parameters: enough for a reference element's load from memory to have landed.
+CLASS_LEAD = 64
 
 _U0 = np.uint64(0)
 _U1 = np.uint64(1)
@@ -523,6 +526,8 @@ def encode_sparse(  # numba kernels are typed by their arguments
     escape = width
     code = (coding, sign_shift, magnitude, mask, is_float)
     for th in prange(bounds.shape[0] - 1):
+        # every item's table is written whole into it (_class_table): one per thread
+        ks = np.zeros(N_CLASSES if cls is not None else 0, np.int64)
         for q in range(bounds[th], bounds[th + 1]):
             i = order[q]
             s = starts[i]
@@ -542,7 +547,6 @@ def encode_sparse(  # numba kernels are typed by their arguments
                 continue
             kp = _rice_choose(hist[0], POSITION_WIDTH, POSITION_WIDTH)
             kv, single = _rice_best(hist[1], escape, width)
-            ks = np.zeros(N_CLASSES, np.int64)
             lo = 0
             n_cls = 0
             by_class = False
@@ -666,40 +670,50 @@ def decode_sparse(
                 err, lo, n_cls, rv, accv, naccv = _read_class_table(
                     val_src, rv, endv, accv, naccv, ks, width
                 )
-                if err == OK and not given:
-                    # The positions first, in a pass of their own: a value's parameter waits
-                    # on its reference element's load, and with the positions known the
-                    # loads no longer wait on the values' chain of decodes, so they overlap.
-                    # In one loop step 1's apply (98M, in place) ran at 0.27-0.38x memcpy
-                    # against 0.40 for one parameter a record.
-                    err = _decode_positions(pos_src, rp, endp, kp, length, positions, o, n)
-                    given = True
             # Each element's stores come after both its reads, in a while loop: the same work
             # as a for loop that stored the position as soon as it was read took 28 ms
             # against 20 for step 1 of the simulated 98M delta, writing (p25 of 30 runs).
             j = 0
+            ahead = np.int64(0)  # by class: changes whose position and parameter are known
             while j < n and err == OK:
-                if given:
-                    p = np.int64(positions[o + j])
-                else:
-                    g, rp, accp, naccp, ok = _get_rice(
-                        pos_src, rp, endp, accp, naccp, kp, POSITION_WIDTH, POSITION_WIDTH
-                    )
-                    if not ok:
-                        err = EXHAUSTED
-                        break
-                    p = prev + 1 + np.int64(g)
-                    if p >= length:
-                        err = OUT_OF_RANGE
-                        break
-                    prev = p
-                k = kv
                 if by_class:
-                    cl = np.int64((np.uint64(reference[b + p]) & magnitude) >> class_shift) - lo
-                    if cl < 0 or cl >= n_cls:
-                        err = NO_CLASS
+                    # A value's parameter depends on its reference element's load. Looked up
+                    # in the value's own step, that load sits in the chain of value decodes
+                    # (each waits on the last one's bit position); decoded in a pass of their
+                    # own first, the positions no longer overlap the values. So positions and
+                    # parameters run CLASS_LEAD changes ahead of the values, in the same loop.
+                    while ahead < n and ahead <= j + CLASS_LEAD:
+                        if given:
+                            at = np.int64(positions[o + ahead])
+                        else:
+                            err, at, rp, accp, naccp = _next_position(
+                                pos_src, rp, endp, accp, naccp, kp, prev, length
+                            )
+                            if err != OK:
+                                break
+                            prev = at
+                            positions[o + ahead] = at
+                        cl = np.int64((np.uint64(reference[b + at]) & magnitude) >> class_shift)
+                        if cl < lo or cl >= lo + n_cls:
+                            err = NO_CLASS
+                            break
+                        zval[o + ahead] = ks[cl - lo]
+                        ahead += 1
+                    if err != OK:
                         break
-                    k = ks[cl]
+                    p = np.int64(positions[o + j])
+                    k = np.int64(zval[o + j])
+                else:
+                    k = kv
+                    if given:
+                        p = np.int64(positions[o + j])
+                    else:
+                        err, p, rp, accp, naccp = _next_position(
+                            pos_src, rp, endp, accp, naccp, kp, prev, length
+                        )
+                        if err != OK:
+                            break
+                        prev = p
                 v, rv, accv, naccv, ok = _get_rice(val_src, rv, endv, accv, naccv, k, width, width)
                 if not ok:
                     err = EXHAUSTED
@@ -725,23 +739,17 @@ def decode_sparse(
             errors[i] = err
 
 
-@njit(cache=True, boundscheck=False, nogil=True)
-def _decode_positions(src, r, end, k, length, positions, o, n):
-    """Decode n Rice-coded gaps into positions[o:o + n], each checked to ascend inside the
-    range, and the stream to end there; return an error code."""
-    acc = _U0
-    nacc = 0
-    prev = np.int64(-1)
-    for j in range(n):
-        g, r, acc, nacc, ok = _get_rice(src, r, end, acc, nacc, k, POSITION_WIDTH, POSITION_WIDTH)
-        if not ok:
-            return EXHAUSTED
-        p = prev + 1 + np.int64(g)
-        if p >= length:
-            return OUT_OF_RANGE
-        positions[o + j] = p
-        prev = p
-    return _finished(r, end, acc, nacc)
+@njit(inline="always")
+def _next_position(src, r, end, acc, nacc, k, prev, length):
+    """(error, position, r, acc, nacc): the position after ``prev`` from its Rice-coded gap,
+    checked to lie inside the range (it ascends by construction)."""
+    g, r, acc, nacc, ok = _get_rice(src, r, end, acc, nacc, k, POSITION_WIDTH, POSITION_WIDTH)
+    if not ok:
+        return EXHAUSTED, prev, r, acc, nacc
+    p = prev + 1 + np.int64(g)
+    if p >= length:
+        return OUT_OF_RANGE, p, r, acc, nacc
+    return OK, p, r, acc, nacc
 
 
 @njit(inline="always")

@@ -84,9 +84,9 @@ def _versions(seed: int = 11) -> tuple[Layout, np.ndarray, np.ndarray]:
 
 
 def _encode(
-    layout: Layout, ref: np.ndarray, cur: np.ndarray, **kw: object
+    layout: Layout, ref: np.ndarray, cur: np.ndarray, item_elems: int = ITEM, **kw: object
 ) -> tuple[list[bytes], object]:
-    enc = DeltaEncoder(layout, item_elems=ITEM, **kw)  # type: ignore[arg-type]
+    enc = DeltaEncoder(layout, item_elems=item_elems, **kw)  # type: ignore[arg-type]
     e = enc.encode(cur, ref, target_version=TARGET, base_version=BASE)
     return [c.data for c in e], e.manifest
 
@@ -259,6 +259,32 @@ def test_a_class_missing_from_the_table() -> None:
         8 * f.records[i].itemsize,
     )
     f.replace_part(i, STREAM_VALUES, stream + bytes(16))
+    assert_refused(case, f.seal(), "class has no Rice parameter in the class table")
+
+
+def test_a_class_missing_past_the_first_block() -> None:
+    # The decoder looks the parameters up CLASS_LEAD changes ahead of the values: a class
+    # missing only well past the start is found after earlier values were written, which
+    # must be undone. Records of 32K elements, about 10K changes each.
+    layout, ref, cur = _versions()
+    (chunk,), manifest = _encode(layout, ref, cur, item_elems=1 << 15, chunk_bytes=1 << 22)
+    case = Case(layout, ref, cur, chunk, manifest, [chunk], manifest)  # type: ignore[arg-type]
+    f = Forged.parse(chunk)
+    i = next(
+        j
+        for j, r in enumerate(f.records)
+        if r.val_coding == VAL_CLASSED and r.changed > 4 * kernels.CLASS_LEAD
+    )
+    lo, ks = _table(f, i)
+    values, classes = _record_values(case, f.records[i])
+    # drop the end class of the table whose first change comes later
+    first, dropped = max((classes.index(c), c) for c in (lo, lo + len(ks) - 1))
+    assert first >= 2 * kernels.CLASS_LEAD
+    kept_lo, kept_ks = (lo + 1, ks[1:]) if dropped == lo else (lo, ks[:-1])
+    stream = _write_classed(
+        values[:first], classes[:first], kept_lo, kept_ks, 8 * f.records[i].itemsize
+    )
+    f.replace_part(i, STREAM_VALUES, stream + bytes(f.records[i].val_len))
     assert_refused(case, f.seal(), "class has no Rice parameter in the class table")
 
 
