@@ -196,16 +196,14 @@ def run(
             [encoder, one_k_encoder], layout, ref, cur, step, repeat, two_buffers=True
         )
         (cond,) = _measure([conditioned_encoder], layout, ref, cur, step, repeat)
-        chunks, c_chunks, k_chunks = default.chunks, cond.chunks, one_k.chunks
-        bit_exact = default.bit_exact
-        k_wire = sum(len(c.data) for c in k_chunks)
+        k_wire = one_k.wire
         changed, bound = iid_bound_bytes_per_change(layout, ref, cur)
         _, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
         _, conditioned = conditioned_bound_bytes_per_change(layout, ref, cur, previous)
         _, classed = classed_rice_bytes_per_change(layout, ref, cur)
         previous = changed_mask(layout, ref, cur)
-        wire = sum(len(c.data) for c in chunks)
-        c_wire = sum(len(c.data) for c in c_chunks)
+        wire = default.wire
+        c_wire = cond.wire
         result["steps"].append(
             {
                 "step": step,
@@ -220,7 +218,7 @@ def run(
                 "encode_gbps": model_bytes / default.encode_s / 1e9,
                 "apply_gbps": model_bytes / default.apply_s / 1e9,
                 "apply_two_buffers_gbps": model_bytes / default.two_s / 1e9,
-                "bit_exact": bit_exact,
+                "bit_exact": default.bit_exact,
                 # the same delta coded against the reference's exponents (conditioned.py),
                 # measured beside the default coding in the same run
                 "conditioned": {
@@ -262,6 +260,11 @@ class _Measured:
     two_s: float  # into another buffer than the reference; NaN unless two_buffers
     bit_exact: bool
 
+    @property
+    def wire(self) -> int:
+        """Bytes on the wire: the chunks' frames."""
+        return sum(len(c.data) for c in self.chunks)
+
 
 def _measure(
     encoders: list[DeltaEncoder],
@@ -276,7 +279,7 @@ def _measure(
     """Each encoder on one delta, side by side: every round times each encoder's encode and
     then each one's apply, in turn (reversed every other round), so that the machine's drift
     within a step falls on all of them alike. Timed one encoder after another, a coding had
-    looked as fast as another whose apply the interleaved rounds put 10-30% slower."""
+    looked as fast as another whose apply the interleaved rounds put 7-32% slower."""
     n = len(encoders)
     times: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in ("enc", "in", "two")}
     chunks: list[list[Chunk]] = [[] for _ in range(n)]
