@@ -683,21 +683,19 @@ def decode_sparse(
                     # own first, the positions no longer overlap the values. So positions and
                     # parameters run CLASS_LEAD changes ahead of the values, in the same loop.
                     while ahead < n and ahead <= j + CLASS_LEAD:
-                        if given:
-                            at = np.int64(positions[o + ahead])
-                        else:
-                            err, at, rp, accp, naccp = _next_position(
-                                pos_src, rp, endp, accp, naccp, kp, prev, length
-                            )
-                            if err != OK:
-                                break
-                            prev = at
-                            positions[o + ahead] = at
+                        slot = o + ahead
+                        err, at, rp, accp, naccp = _next_position(
+                            given, positions, slot, pos_src, rp, endp, accp, naccp, kp, prev, length
+                        )
+                        if err != OK:
+                            break
+                        prev = at
+                        positions[slot] = at
                         cl = np.int64((np.uint64(reference[b + at]) & magnitude) >> class_shift)
                         if cl < lo or cl >= lo + n_cls:
                             err = NO_CLASS
                             break
-                        zval[o + ahead] = ks[cl - lo]
+                        zval[slot] = ks[cl - lo]
                         ahead += 1
                     if err != OK:
                         break
@@ -705,15 +703,12 @@ def decode_sparse(
                     k = np.int64(zval[o + j])
                 else:
                     k = kv
-                    if given:
-                        p = np.int64(positions[o + j])
-                    else:
-                        err, p, rp, accp, naccp = _next_position(
-                            pos_src, rp, endp, accp, naccp, kp, prev, length
-                        )
-                        if err != OK:
-                            break
-                        prev = p
+                    err, p, rp, accp, naccp = _next_position(
+                        given, positions, o + j, pos_src, rp, endp, accp, naccp, kp, prev, length
+                    )
+                    if err != OK:
+                        break
+                    prev = p
                 v, rv, accv, naccv, ok = _get_rice(val_src, rv, endv, accv, naccv, k, width, width)
                 if not ok:
                     err = EXHAUSTED
@@ -740,9 +735,12 @@ def decode_sparse(
 
 
 @njit(inline="always")
-def _next_position(src, r, end, acc, nacc, k, prev, length):
-    """(error, position, r, acc, nacc): the position after ``prev`` from its Rice-coded gap,
+def _next_position(given, positions, at, src, r, end, acc, nacc, k, prev, length):
+    """(error, position, r, acc, nacc) of the next change: positions[at] where the positions
+    are given (bitmap records), else the position after ``prev`` from its Rice-coded gap,
     checked to lie inside the range (it ascends by construction)."""
+    if given:
+        return OK, np.int64(positions[at]), r, acc, nacc
     g, r, acc, nacc, ok = _get_rice(src, r, end, acc, nacc, k, POSITION_WIDTH, POSITION_WIDTH)
     if not ok:
         return EXHAUSTED, prev, r, acc, nacc

@@ -262,7 +262,7 @@ def test_a_class_missing_from_the_table() -> None:
     assert_refused(case, f.seal(), "class has no Rice parameter in the class table")
 
 
-def test_a_class_missing_past_the_first_block() -> None:
+def test_a_class_missing_far_into_a_record() -> None:
     # The decoder looks the parameters up CLASS_LEAD changes ahead of the values: a class
     # missing only well past the start is found after earlier values were written, which
     # must be undone. Records of 32K elements, about 10K changes each.
