@@ -12,6 +12,11 @@ the result bit for bit against the trainer's version, and reports:
   other, which holds the same version (as the apply agent does: it reads the active buffer
   and writes the inactive one, brought to the active version by the kept delta);
 - memcpy_gbps: a copy of the same number of bytes, measured in the same run;
+- writes_gbps and verify_gbps: the two parts of apply_gbps that are not decoding, each alone,
+  in the same rounds: writing the already decoded changes into the buffer (``apply_chunk``)
+  and hashing every tensor (``verify_tensors``). Together they are what an apply of this
+  design costs on the machine even if its decode took no time: at a few percent of elements
+  changed the writes touch nearly every cache line, about what a copy of the model does;
 - bytes_per_change against entropy_bytes_per_change (codecs/entropy.py: positions i.i.d.,
   values priced as their XOR with the reference), entropy_ordered_bytes_per_change (the same
   positions, values as the order-0 entropy of the ordered-delta symbols the codec actually
@@ -60,7 +65,13 @@ from typing import Any
 
 import numpy as np
 
-from deltarl.codecs.decoder import VersionApply
+from deltarl.codecs.decoder import (
+    DecodeScratch,
+    VersionApply,
+    apply_chunk,
+    decode_chunk,
+    verify_tensors,
+)
 from deltarl.codecs.encoder import Chunk, DeltaEncoder
 from deltarl.codecs.entropy import (
     changed_mask,
@@ -193,7 +204,7 @@ def run(
         # the default coding and the one without classes in the same rounds; the
         # conditioned coding, ten times slower, in rounds of its own
         default, one_k = _measure(
-            [encoder, one_k_encoder], layout, ref, cur, step, repeat, two_buffers=True
+            [encoder, one_k_encoder], layout, ref, cur, step, repeat, two_buffers=True, parts=True
         )
         (cond,) = _measure([conditioned_encoder], layout, ref, cur, step, repeat)
         k_wire = one_k.wire
@@ -218,6 +229,9 @@ def run(
                 "encode_gbps": model_bytes / default.encode_s / 1e9,
                 "apply_gbps": model_bytes / default.apply_s / 1e9,
                 "apply_two_buffers_gbps": model_bytes / default.two_s / 1e9,
+                # apply_gbps's parts other than decoding, each alone, in the same rounds
+                "writes_gbps": model_bytes / default.writes_s / 1e9,
+                "verify_gbps": model_bytes / default.verify_s / 1e9,
                 "bit_exact": default.bit_exact,
                 # the same delta coded against the reference's exponents (conditioned.py),
                 # measured beside the default coding in the same run
@@ -259,6 +273,8 @@ class _Measured:
     apply_s: float  # in place: the reference is the target
     two_s: float  # into another buffer than the reference; NaN unless two_buffers
     bit_exact: bool
+    writes_s: float = math.nan  # the decoded changes written alone (parts, first encoder)
+    verify_s: float = math.nan  # every tensor hashed alone (parts, first encoder)
 
     @property
     def wire(self) -> int:
@@ -275,13 +291,18 @@ def _measure(
     repeat: int,
     *,
     two_buffers: bool = False,
+    parts: bool = False,
 ) -> list[_Measured]:
     """Each encoder on one delta, side by side: every round times each encoder's encode and
     then each one's apply, in turn (reversed every other round), so that the machine's drift
     within a step falls on all of them alike. Timed one encoder after another, a coding had
-    looked as fast as another whose apply the interleaved rounds put 7-32% slower."""
+    looked as fast as another whose apply the interleaved rounds put 7-32% slower.
+
+    ``parts``: each round also times, for the first encoder, the writes of its changes decoded
+    beforehand and the verify of every tensor, each alone (``_parts``)."""
     n = len(encoders)
-    times: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in ("enc", "in", "two")}
+    kinds = ("enc", "in", "two", "writes", "verify")
+    times: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in kinds}
     chunks: list[list[Chunk]] = [[] for _ in range(n)]
     exact = [True] * n
     target = np.empty_like(ref)
@@ -308,16 +329,55 @@ def _measure(
                 va.verify(manifests[k])
                 times[where][k].append(time.perf_counter() - t)
                 exact[k] = exact[k] and bool(np.array_equal(target, cur))
+        if parts:
+            writes_s, verify_s = _parts(layout, chunks[0], manifests[0], ref, target, step)
+            times["writes"][0].append(writes_s)
+            times["verify"][0].append(verify_s)
+            exact[0] = exact[0] and bool(np.array_equal(target, cur))
+
+    def median(kind: str, k: int) -> float:
+        return statistics.median(times[kind][k]) if times[kind][k] else math.nan
+
     return [
         _Measured(
             chunks[k],
-            statistics.median(times["enc"][k]),
-            statistics.median(times["in"][k]),
-            statistics.median(times["two"][k]) if two_buffers else math.nan,
+            median("enc", k),
+            median("in", k),
+            median("two", k),
             exact[k],
+            median("writes", k),
+            median("verify", k),
         )
         for k in range(n)
     ]
+
+
+def _parts(
+    layout: Layout,
+    chunks: list[Chunk],
+    manifest: RefitManifest,
+    ref: np.ndarray,
+    target: np.ndarray,
+    step: int,
+) -> tuple[float, float]:
+    """Seconds of an apply's two parts besides decoding, each alone: writing the chunks'
+    changes, decoded beforehand (untimed), into a copy of ``ref`` in place; then hashing every
+    tensor of the result against the manifest (raises if it differs). Leaves the new version
+    in ``target``."""
+    decoded = [
+        decode_chunk(
+            c.data, layout, base=step - 1, target=step, scratch=DecodeScratch(), reference=ref
+        )
+        for c in chunks
+    ]
+    np.copyto(target, ref)
+    t = time.perf_counter()
+    for chunk in decoded:
+        apply_chunk(chunk, layout, target, target)
+    writes_s = time.perf_counter() - t
+    t = time.perf_counter()
+    verify_tensors(layout, target, manifest)
+    return writes_s, time.perf_counter() - t
 
 
 def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
@@ -388,6 +448,15 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"  step {s['step']} apply into the other buffer (reading the reference from the "
             f"active one, as the apply agent does): {s['apply_two_buffers_gbps']:.2f} GB/s"
+        )
+    for s in result["steps"]:
+        w, v = s["writes_gbps"], s["verify_gbps"]
+        both = 1 / (1 / w + 1 / v)
+        lines.append(
+            f"  step {s['step']} apply without its decode, each part alone: writes {w:.2f} GB/s "
+            f"({w / mem:.2f}x memcpy), verify {v:.2f} GB/s ({v / mem:.2f}x); the two one after "
+            f"the other {both / mem:.2f}x memcpy (the apply's {s['apply_gbps'] / mem:.2f}x "
+            "includes decoding)"
         )
     for s in result["steps"]:
         k = s["one_value_parameter"]

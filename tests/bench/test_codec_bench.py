@@ -1,5 +1,6 @@
 """The `deltarl bench codec --json` contract: one JSON object with exactly these keys."""
 
+import math
 import subprocess
 import sys
 
@@ -17,6 +18,8 @@ STEP_KEYS = {
     "encode_gbps": float,
     "apply_gbps": float,
     "apply_two_buffers_gbps": float,
+    "writes_gbps": float,
+    "verify_gbps": float,
     "classed_rice_bytes_per_change": float,
     "bit_exact": bool,
     "conditioned": dict,
@@ -73,7 +76,10 @@ def test_bench_codec_json_shape_and_bit_exactness():
         assert set(s) == set(STEP_KEYS)
         for key, kind in STEP_KEYS.items():
             assert isinstance(s[key], kind), (key, s[key])
-        assert s["bit_exact"] is True
+        assert s["bit_exact"] is True  # also the writes timed alone (they must give cur too)
+        # the apply's parts besides decoding, each timed alone: real, finite rates
+        assert 0 < s["writes_gbps"] < math.inf
+        assert 0 < s["verify_gbps"] < math.inf
         assert 0.0 < s["changed_ratio"] < 1.0
         assert 0 < s["wire_bytes"] < s["full_bytes"]
         assert s["entropy_bytes_per_change"] > 0
@@ -127,3 +133,4 @@ def test_bench_codec_table_names_the_targets():
     assert "x the bound" in out.stdout
     assert "x memcpy" in out.stdout
     assert "values by class: wire" in out.stdout
+    assert "apply without its decode, each part alone: writes" in out.stdout
