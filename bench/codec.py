@@ -46,8 +46,10 @@ changed ratio per tensor group.
 deltas it will carry, not only on a simulation of them.
 
 Every timing is the median of ``--repeat`` runs on warm buffers; the kernels are compiled
-before the first timed run. The default coding and the coding with one value parameter per
-record (``one_value_parameter``) are timed in the same rounds, one after the other.
+before the first timed run, and their threads sleep between kernels, as in the export and
+apply agents (deltarl/ops/kernel_threads.py). The default coding and the coding with one
+value parameter per record (``one_value_parameter``) are timed in the same rounds, one after
+the other.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from deltarl.codecs.entropy import (
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.warmup import warm_up
 from deltarl.engine.layout import Layout
+from deltarl.ops.kernel_threads import quiet_kernel_threads
 from deltarl.recorded_versions import pairs, read_versions
 from deltarl.sim.realistic_deltas import RealisticDeltas
 
@@ -526,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.repeat < 1:
         ap.error("--steps and --repeat must be at least 1")
+    quiet_kernel_threads()  # as the export and apply agents run their kernels
     if not args.json:
         what = (
             f"{len(args.checkpoints)} checkpoints"

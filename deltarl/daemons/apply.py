@@ -19,6 +19,7 @@ from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
+from deltarl.ops.kernel_threads import quiet_kernel_threads
 from deltarl.refit.apply import ApplyCore
 from deltarl.refit.receiver_state import StateFeed
 from deltarl.refit.relay import Relay
@@ -79,4 +80,5 @@ async def _build(cfg: ApplyConfig, context: DaemonContext) -> ApplyCore:
 
 
 def main(argv: list[str]) -> int:
+    quiet_kernel_threads()  # before the first decode kernel (deltarl/ops/kernel_threads.py)
     return daemon_main("apply", ApplyConfig, argv, _build, __doc__ or "")

@@ -16,6 +16,7 @@ from functools import partial
 from deltarl.config.refit import ExportConfig
 from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
+from deltarl.ops.kernel_threads import quiet_kernel_threads
 from deltarl.refit.export import ExportCore
 from deltarl.refit.manifest_store import ManifestStore
 from deltarl.refit.receiver_state import StateFeed
@@ -36,4 +37,5 @@ async def _build(cfg: ExportConfig, context: DaemonContext) -> ExportCore:
 
 
 def main(argv: list[str]) -> int:
+    quiet_kernel_threads()  # before the first encode kernel (deltarl/ops/kernel_threads.py)
     return daemon_main("export", ExportConfig, argv, _build, __doc__ or "")
