@@ -11,6 +11,11 @@ with ``OMP_WAIT_POLICY=PASSIVE``; and ``deltarl bench refit`` at 1 Gbit (98M par
 agents on the same two cores, three runs alternating) had median refits of 116-125 ms against
 132-143, slowest 129-139 ms against 143-148.
 
+Only processes that run no torch may call this: torch's libgomp has the same soname, so it
+would share the policy, and its small intra-op parallel regions ran 9x slower passive (tried
+for every process once, README). The export and apply agents load no torch (a test keeps it
+so); the trainer and the rollout engines keep libgomp's default.
+
 The policy is only a default: an operator's own ``OMP_WAIT_POLICY`` is kept. libgomp reads it
 once, when it is loaded, which numba does at the first parallel kernel; so this is called at
 a process's start. Where libgomp is loaded already (an ``LD_PRELOAD``, or a kernel ran), a

@@ -101,3 +101,15 @@ def test_libgomp_loaded_reads_the_maps(tmp_path):
     maps.write_text(maps.read_text() + torch_gomp)
     assert libgomp_loaded(maps)
     assert not libgomp_loaded(tmp_path / "absent")
+
+
+def test_the_agents_that_set_it_load_no_torch():
+    # torch would share the policy (its libgomp has the same soname) and run its small ops far
+    # slower with it: only processes without torch may set it (deltarl/ops/kernel_threads.py)
+    probe = (
+        "import sys, deltarl.daemons.apply, deltarl.daemons.export; print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.strip() == "False", out.stderr
