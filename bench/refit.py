@@ -49,6 +49,15 @@ link is measured side by side.
 
 ``--rate-mbit R`` puts the export agent and the apply agent in two network namespaces joined
 by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
+
+``--cpus split`` (the default where this process may use two CPUs or more) gives the export
+agent the lower half of those CPUs and the apply agent the upper half (their ``cpus``
+setting), as the two hosts of a real refit each have their own: shared, the two agents'
+kernel threads preempted each other on every core, and a refit's kernel waited for its
+slowest thread (on two cores at 1 Gbit, 98M parameters, three runs each, alternating: the
+slowest refit 124-127 ms split against 129-134 shared, medians 114-122 against 120, the apply
+stage 83-84 ms against 100-106). ``--cpus shared`` leaves both agents on every CPU. ``cpus``
+in the result is each agent's CPU list as read back from the running process.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ from deltarl.bench.refit_report import render
 from deltarl.config import write_toml
 from deltarl.engine.weight_store import WeightStore
 from deltarl.launch import DaemonDied, DaemonGroup, WaitTimeout
+from deltarl.ops.placement import format_cpu_list
 from deltarl.transport.curve import make_keys
 from deltarl.transport.data_keys import KEYS_ENV
 from deltarl.transport.messages import Command, Ok, Pause, Resume, Resync
@@ -105,7 +115,10 @@ def _tables(
     ack_timeout_s: float,
     catch_up: str = "eager",
     delta_coding: str = "rice",
+    cpus: tuple[str, str] | None = None,
 ) -> dict:
+    """The daemons' tables; ``cpus``: the export agent's and the apply agent's CPU lists."""
+
     def ipc(name: str) -> str:
         return f"ipc://{tmp}/{name}"
 
@@ -141,7 +154,19 @@ def _tables(
             "catch_up": catch_up,
         },
     }
+    if cpus is not None:
+        daemons["export"]["cpus"], daemons["apply"]["cpus"] = cpus
     return {"daemons": daemons}
+
+
+def split_cpus(allowed: set[int] | frozenset[int]) -> tuple[str, str] | None:
+    """(the export agent's CPUs, the apply agent's): the lower and the upper half of
+    ``allowed``; None where there are fewer than two, which cannot be split."""
+    ordered = sorted(allowed)
+    if len(ordered) < 2:
+        return None
+    half = len(ordered) // 2
+    return format_cpu_list(ordered[:half]), format_cpu_list(ordered[half:])
 
 
 class Daemons(DaemonGroup):
@@ -172,6 +197,12 @@ class Daemons(DaemonGroup):
             self.wait(what, cond, timeout)
         except (DaemonDied, WaitTimeout) as e:
             raise BenchError(str(e)) from None
+
+
+def _cpus_of(daemons: Daemons, name: str) -> str:
+    """The CPUs a running daemon may use, read back from the process its status names."""
+    pid = int(daemons.fields(name)["runtime"]["pid"])
+    return format_cpu_list(os.sched_getaffinity(pid))
 
 
 def _lease_copy(name: str, tmp: Path) -> tuple[int, np.ndarray]:
@@ -298,8 +329,10 @@ def run(
     sealed: bool = False,
     catch_up: str = "eager",
     delta_coding: str = "rice",
+    cpus: tuple[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end."""
+    """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end.
+    ``cpus``: pin the export agent and the apply agent to these CPU lists (``split_cpus``)."""
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs for the stores; mkdtemp makes it private
     tmp = Path(tempfile.mkdtemp(prefix="deltarl-bench-refit-", dir=shm if shm.is_dir() else None))
     shaped: ShapedLink | None = None
@@ -316,7 +349,13 @@ def run(
             host, port = "127.0.0.1", _free_port()
         link_table = _link_table(link, host, port, tmp, sealed)
         tables = _tables(
-            tmp, params, link_table, wait_s, catch_up=catch_up, delta_coding=delta_coding
+            tmp,
+            params,
+            link_table,
+            wait_s,
+            catch_up=catch_up,
+            delta_coding=delta_coding,
+            cpus=cpus,
         )
         daemons = Daemons(tmp, prefixes, tables)
         with _cluster_keys(tmp, sealed):
@@ -365,6 +404,7 @@ def run(
             "speedup": full_record["total_s"] / median if median > 0 else 0.0,
             "speedup_min": full_record["total_s"] / max(deltas) if max(deltas) > 0 else 0.0,
             "apply_s_median": statistics.median(r["apply_s"] for r in records),
+            "cpus": {name: _cpus_of(daemons, name) for name in ("export", "apply")},
         }, bench.diag[1 : 1 + refits]
     finally:
         if daemons is not None:
@@ -408,10 +448,19 @@ def main(argv: list[str] | None = None) -> int:
         help="run again with deltas coded against the reference (delta_coding = "
         "conditioned) and report the difference, side by side",
     )
+    ap.add_argument(
+        "--cpus",
+        choices=("split", "shared"),
+        default="split",
+        help="split: the export agent on the lower half of this process's CPUs and the apply "
+        "agent on the upper half, as on two hosts (the default; shared where there is only "
+        "one CPU); shared: both on every CPU",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args(argv)
     if args.refits < 1 or args.params < 1:
         ap.error("--refits and --params must be at least 1")
+    cpus = split_cpus(os.sched_getaffinity(0)) if args.cpus == "split" else None
     if args.rate_mbit is not None:
         if args.link != "stream":
             ap.error("--rate-mbit shapes the stream link only: use --link stream")
@@ -430,17 +479,16 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C: the daemons are stopped and the namespaces deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        result, diag = run(args.params, args.link, args.rate_mbit, args.refits)
+        same = (args.params, args.link, args.rate_mbit, args.refits)
+        result, diag = run(*same, cpus=cpus)
         if args.sealed_compare:
-            sealed, _ = run(args.params, args.link, args.rate_mbit, args.refits, sealed=True)
+            sealed, _ = run(*same, sealed=True, cpus=cpus)
             result["sealed"] = sealed_cost(result, sealed)
         if args.compare_copy:
-            copied, _ = run(args.params, args.link, args.rate_mbit, args.refits, catch_up="off")
+            copied, _ = run(*same, catch_up="off", cpus=cpus)
             result["copy"] = copy_cost(result, copied)
         if args.compare_conditioned:
-            coded, _ = run(
-                args.params, args.link, args.rate_mbit, args.refits, delta_coding="conditioned"
-            )
+            coded, _ = run(*same, delta_coding="conditioned", cpus=cpus)
             result["conditioned"] = conditioned_cost(result, coded)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)

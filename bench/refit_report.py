@@ -65,8 +65,11 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
 def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> str:
     rate = "unshaped" if result["rate_mbit"] is None else f"{result['rate_mbit']:g} Mbit/s (tbf)"
     full = result["full"]
+    cpus = result["cpus"]
     lines = [
         f"refit benchmark: {result['params']:,} parameters (bf16), link {result['link']}, {rate}",
+        f"export agent on CPUs {cpus['export']}, apply agent on CPUs {cpus['apply']}"
+        + (" (shared)" if cpus["export"] == cpus["apply"] else ""),
         "",
         f"{'version':>7} {'kind':>5} {'changed':>8} {'wire KB':>10} {'encode ms':>9} "
         f"{'xfer ms':>8} {'link ms':>8} {'apply ms':>8} {'activ ms':>8} {'total ms':>9} "

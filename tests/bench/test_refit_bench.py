@@ -11,6 +11,9 @@ from typing import Any
 import orjson
 import pytest
 from deltarl.bench import netns
+from deltarl.bench.refit import split_cpus
+
+from deltarl.ops.placement import parse_cpu_list
 
 TOP_KEYS = {
     "link",
@@ -23,6 +26,7 @@ TOP_KEYS = {
     "delta_total_s_p95",
     "speedup_min",
     "apply_s_median",
+    "cpus",
 }
 REFIT_KEYS = {
     "version": int,
@@ -72,8 +76,21 @@ def _bench(*args: str) -> tuple[dict[str, Any], int]:
     return orjson.loads(lines[0]), proc.pid
 
 
-def _check_shape(result: dict[str, Any], link: str, rate: float | None) -> None:
+def _check_shape(
+    result: dict[str, Any], link: str, rate: float | None, *, split: bool = True
+) -> None:
     assert set(result) == TOP_KEYS
+    # each agent's CPUs, read back from its process: with --cpus split (the default) the
+    # halves of ours, as on two hosts; shared, all of ours each
+    ours = os.sched_getaffinity(0)
+    got = {name: parse_cpu_list(result["cpus"][name]) for name in ("export", "apply")}
+    assert set(result["cpus"]) == {"export", "apply"}
+    if split and len(ours) >= 2:
+        assert got["export"] | got["apply"] == ours
+        assert not got["export"] & got["apply"]
+        assert max(got["export"]) < min(got["apply"])
+    else:
+        assert got["export"] == got["apply"] == ours
     assert result["link"] == link
     assert result["rate_mbit"] == rate
     if rate is not None:
@@ -110,6 +127,16 @@ def _check_shape(result: dict[str, Any], link: str, rate: float | None) -> None:
 
 def test_bench_refit_shm_json_shape_and_bit_exactness() -> None:
     _check_shape(_bench("--link", "shm")[0], "shm", None)
+
+
+def test_bench_refit_cpus_shared_leaves_both_agents_on_every_cpu() -> None:
+    _check_shape(_bench("--link", "shm", "--cpus", "shared")[0], "shm", None, split=False)
+
+
+def test_split_cpus_halves_and_refuses_one() -> None:
+    assert split_cpus({0, 1}) == ("0", "1")
+    assert split_cpus({0, 1, 2, 3, 5}) == ("0-1", "2-3,5")
+    assert split_cpus({7}) is None
 
 
 def test_bench_refit_compare_copy_measures_the_catch_up_side_by_side() -> None:
