@@ -35,9 +35,11 @@ def tensor_digest(bits: np.ndarray) -> str:
 PARALLEL_MIN_BYTES = 16 << 20
 """Below this many bytes the tensors are hashed on the calling thread: handing work to the
 pool costs more than it saves."""
-HASH_THREADS = max(1, min(os.cpu_count() or 1, 8))
+HASH_THREADS = max(1, min(len(os.sched_getaffinity(0)), 8))
 """xxh3 is memory-bound: a few threads fill the memory bus (two threads hashed two 200 MB
-buffers in 13 ms against 23.5 ms on one, on a 2-core host); more only contend."""
+buffers in 13 ms against 23.5 ms on one, on a 2-core host); more only contend. Counted on the
+CPUs this process may use (a daemon pinned to one, as ``bench refit`` pins each agent, hashes
+on one thread), not the host's."""
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()

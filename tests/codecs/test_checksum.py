@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -78,3 +80,15 @@ def test_a_forked_child_hashes_with_its_own_threads(monkeypatch: pytest.MonkeyPa
         pytest.fail("the forked child hung hashing on the parent's pool")
     assert os.read(read, 1) == b"1"
     os.close(read)
+
+
+def test_hash_threads_count_the_cpus_this_process_may_use():
+    # a daemon pinned to one CPU hashes on one thread, however many the host has
+    probe = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from deltarl.codecs import checksum; print(checksum.HASH_THREADS)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "1", out.stderr
