@@ -2,14 +2,16 @@
 
 numba runs the parallel kernels (encode, decode, scatter) on GNU OpenMP's threads. By default
 they spin after a kernel ends, waiting for the next one: up to 300,000 ``pause``
-instructions, a few milliseconds each time on current Intel cores. In the export and apply
+instructions, 3.6 ms of a core after each kernel here (the CPU a process spends asleep after
+one: tests/ops/test_kernel_threads.py). In the export and apply
 agents a kernel is followed by work of other threads, not by another kernel: the xxh3 hash
 threads, the socket, and on a host that runs both agents (or an agent beside a trainer or a
 rollout engine) the other processes. The spinning takes their cores. Measured on a 2-core
 machine: the verify right after an apply's kernels took 10.9 ms with the default against 8.0
 with ``OMP_WAIT_POLICY=PASSIVE``; and ``deltarl bench refit`` at 1 Gbit (98M parameters, both
-agents on the same two cores, three runs alternating) had median refits of 116-125 ms against
-132-143, slowest 129-139 ms against 143-148.
+agents on the same two cores, three runs alternating with the policy left at libgomp's
+default) had median refits of 124-127 ms against 134-141, the slowest 128-143 ms against
+150-162.
 
 Only processes that run no torch may call this: torch's libgomp has the same soname, so it
 would share the policy, and its small intra-op parallel regions ran 9x slower passive (tried
