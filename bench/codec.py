@@ -55,6 +55,7 @@ the other.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import statistics
@@ -68,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from deltarl.codecs.decoder import (
+    ChecksumMismatchError,
     DecodeScratch,
     VersionApply,
     apply_chunk,
@@ -365,8 +367,8 @@ def _parts(
 ) -> tuple[float, float]:
     """Seconds of an apply's two parts besides decoding, each alone: writing the chunks'
     changes, decoded beforehand (untimed), into a copy of ``ref`` in place; then hashing every
-    tensor of the result against the manifest (raises if it differs). Leaves the new version
-    in ``target``."""
+    tensor of the result against the manifest. Leaves what the writes made in ``target``: the
+    caller compares it with the version, so a mismatch is reported as not bit-exact."""
     decoded = [
         decode_chunk(
             c.data, layout, base=step - 1, target=step, scratch=DecodeScratch(), reference=ref
@@ -379,7 +381,8 @@ def _parts(
         apply_chunk(chunk, layout, target, target)
     writes_s = time.perf_counter() - t
     t = time.perf_counter()
-    verify_tensors(layout, target, manifest)
+    with contextlib.suppress(ChecksumMismatchError):  # the caller's comparison reports it
+        verify_tensors(layout, target, manifest)
     return writes_s, time.perf_counter() - t
 
 
