@@ -134,3 +134,4 @@ def test_bench_codec_table_names_the_targets():
     assert "x memcpy" in out.stdout
     assert "values by class: wire" in out.stdout
     assert "apply without its decode, each part alone: writes" in out.stdout
+    assert "its writes and verify alone" in out.stdout  # the apply target's ceiling here
