@@ -82,7 +82,7 @@ from deltarl.bench.refit_report import render
 from deltarl.config import write_toml
 from deltarl.engine.weight_store import WeightStore
 from deltarl.launch import DaemonDied, DaemonGroup, WaitTimeout
-from deltarl.ops.placement import format_cpu_list
+from deltarl.ops.placement import format_cpu_list, halves
 from deltarl.transport.curve import make_keys
 from deltarl.transport.data_keys import KEYS_ENV
 from deltarl.transport.messages import Command, Ok, Pause, Resume, Resync
@@ -157,16 +157,6 @@ def _tables(
     if cpus is not None:
         daemons["export"]["cpus"], daemons["apply"]["cpus"] = cpus
     return {"daemons": daemons}
-
-
-def split_cpus(allowed: set[int] | frozenset[int]) -> tuple[str, str] | None:
-    """(the export agent's CPUs, the apply agent's): the lower and the upper half of
-    ``allowed``; None where there are fewer than two, which cannot be split."""
-    ordered = sorted(allowed)
-    if len(ordered) < 2:
-        return None
-    half = len(ordered) // 2
-    return format_cpu_list(ordered[:half]), format_cpu_list(ordered[half:])
 
 
 class Daemons(DaemonGroup):
@@ -332,7 +322,7 @@ def run(
     cpus: tuple[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end.
-    ``cpus``: pin the export agent and the apply agent to these CPU lists (``split_cpus``)."""
+    ``cpus``: pin the export agent and the apply agent to these CPU lists (``halves``)."""
     shm = Path("/dev/shm")  # noqa: S108 - tmpfs for the stores; mkdtemp makes it private
     tmp = Path(tempfile.mkdtemp(prefix="deltarl-bench-refit-", dir=shm if shm.is_dir() else None))
     shaped: ShapedLink | None = None
@@ -460,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.refits < 1 or args.params < 1:
         ap.error("--refits and --params must be at least 1")
-    cpus = split_cpus(os.sched_getaffinity(0)) if args.cpus == "split" else None
+    # the export agent on the lower half, the apply agent on the upper (the larger if odd)
+    split = args.cpus == "split"
+    cpus = halves(os.sched_getaffinity(0), lower_larger=False) if split else None
     if args.rate_mbit is not None:
         if args.link != "stream":
             ap.error("--rate-mbit shapes the stream link only: use --link stream")

@@ -72,7 +72,7 @@ from deltarl import up_curves
 from deltarl.config import write_toml
 from deltarl.config.rl import FORWARD_WEIGHTS, RLTrainerConfig
 from deltarl.launch import DaemonGroup
-from deltarl.ops.placement import format_cpu_list, parse_cpu_list
+from deltarl.ops.placement import halves, parse_cpu_list
 from deltarl.recorded_versions import VersionRecorder
 from deltarl.rl.protocol import REPLIES, GetHistory, History
 from deltarl.rl.task import ShapedLengths, make_task
@@ -435,11 +435,10 @@ def auto_cpus(cpus: Iterable[int], rollouts: list[str]) -> dict[str, str]:
     """The default placement: the rollout daemons on the lower half of ``cpus`` (the larger
     half when their number is odd: generation is most of a step's work), the trainer on the
     rest; nothing pinned with one CPU. The scheduler and the agents float: they are light."""
-    ordered = sorted(cpus)
-    if len(ordered) < 2:
+    split = halves(cpus, lower_larger=True)
+    if split is None:
         return {}
-    half = (len(ordered) + 1) // 2
-    generation, training = format_cpu_list(ordered[:half]), format_cpu_list(ordered[half:])
+    generation, training = split
     return {"trainer": training, **dict.fromkeys(rollouts, generation)}
 
 

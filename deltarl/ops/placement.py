@@ -59,6 +59,17 @@ def format_cpu_list(cpus: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+def halves(cpus: Iterable[int], *, lower_larger: bool) -> tuple[str, str] | None:
+    """(the lower half of ``cpus``, the upper half) as cpu lists, for two roles that each
+    want cores of their own; with an odd number, the lower half is the larger one if
+    ``lower_larger``, else the upper. None with fewer than two CPUs: nothing to split."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        return None
+    cut = (len(ordered) + (1 if lower_larger else 0)) // 2
+    return format_cpu_list(ordered[:cut]), format_cpu_list(ordered[cut:])
+
+
 def _span(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 

@@ -11,9 +11,8 @@ from typing import Any
 import orjson
 import pytest
 from deltarl.bench import netns
-from deltarl.bench.refit import split_cpus
 
-from deltarl.ops.placement import parse_cpu_list
+from deltarl.ops.placement import halves, parse_cpu_list
 
 TOP_KEYS = {
     "link",
@@ -83,8 +82,8 @@ def _check_shape(
     # each agent's CPUs, read back from its process: with --cpus split (the default) the
     # halves of ours, as on two hosts; shared, all of ours each
     ours = os.sched_getaffinity(0)
-    got = {name: parse_cpu_list(result["cpus"][name]) for name in ("export", "apply")}
     assert set(result["cpus"]) == {"export", "apply"}
+    got = {name: parse_cpu_list(result["cpus"][name]) for name in ("export", "apply")}
     if split and len(ours) >= 2:
         assert got["export"] | got["apply"] == ours
         assert not got["export"] & got["apply"]
@@ -134,9 +133,10 @@ def test_bench_refit_cpus_shared_leaves_both_agents_on_every_cpu() -> None:
 
 
 def test_split_cpus_halves_and_refuses_one() -> None:
-    assert split_cpus({0, 1}) == ("0", "1")
-    assert split_cpus({0, 1, 2, 3, 5}) == ("0-1", "2-3,5")
-    assert split_cpus({7}) is None
+    # as `bench refit --cpus split` splits them: the export agent's half first
+    assert halves({0, 1}, lower_larger=False) == ("0", "1")
+    assert halves({0, 1, 2, 3, 5}, lower_larger=False) == ("0-1", "2-3,5")
+    assert halves({7}, lower_larger=False) is None
 
 
 def test_bench_refit_compare_copy_measures_the_catch_up_side_by_side() -> None:
