@@ -386,6 +386,12 @@ def _parts(
     return writes_s, time.perf_counter() - t
 
 
+def _undecoded_gbps(step: dict[str, Any]) -> float:
+    """The rate of a step's apply without its decode: its writes and its verify, each timed
+    alone, one after the other (the ceiling of an apply of this design on this machine)."""
+    return 1 / (1 / step["writes_gbps"] + 1 / step["verify_gbps"])
+
+
 def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
     """Each target as (description with the measured ratio, met)."""
     mem = result["memcpy_gbps"]
@@ -397,8 +403,7 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
         ratio = s["bytes_per_change"] / bound if bound else 0.0
         enc, app = s["encode_gbps"] / mem, s["apply_gbps"] / mem
         two = s["apply_two_buffers_gbps"] / mem
-        # what the apply's writes and verify cost with no decoding: its ceiling on this machine
-        ceiling = 1 / (1 / s["writes_gbps"] + 1 / s["verify_gbps"]) / mem
+        ceiling = _undecoded_gbps(s) / mem
         step = f"step {s['step']}"
         rows += [
             (f"{step}: bit-exact", s["bit_exact"]),
@@ -462,8 +467,7 @@ def render(result: dict[str, Any]) -> str:
             f"active one, as the apply agent does): {s['apply_two_buffers_gbps']:.2f} GB/s"
         )
     for s in result["steps"]:
-        w, v = s["writes_gbps"], s["verify_gbps"]
-        both = 1 / (1 / w + 1 / v)
+        w, v, both = s["writes_gbps"], s["verify_gbps"], _undecoded_gbps(s)
         lines.append(
             f"  step {s['step']} apply without its decode, each part alone: writes {w:.2f} GB/s "
             f"({w / mem:.2f}x memcpy), verify {v:.2f} GB/s ({v / mem:.2f}x); the two one after "
