@@ -89,7 +89,6 @@ from deltarl.codecs.warmup import warm_up
 from deltarl.engine.layout import Layout
 from deltarl.ops.kernel_threads import quiet_kernel_threads
 from deltarl.recorded_versions import pairs, read_versions
-from deltarl.sim.realistic_deltas import RealisticDeltas
 
 # Speed targets at every step, step 1 included (raised from 0.3 / 0.5 with the catch-up that
 # took the copy off the refit path).
@@ -123,6 +122,10 @@ def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
 def _simulated(
     params: int, steps: int, seed: int
 ) -> tuple[Layout, int, Iterator[tuple[np.ndarray, np.ndarray]]]:
+    # torch loads its OpenMP runtime, which numba's kernels then share: it is imported only
+    # here, after main has set the kernel threads' policy (the same runtime reads it once).
+    from deltarl.sim.realistic_deltas import RealisticDeltas  # noqa: PLC0415
+
     gen = RealisticDeltas(params, seed=seed)
 
     def versions() -> Iterator[tuple[np.ndarray, np.ndarray]]:

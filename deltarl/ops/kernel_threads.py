@@ -16,7 +16,10 @@ default) had median refits of 124-127 ms against 134-141, the slowest 128-143 ms
 Only processes that run no torch may call this: torch's libgomp has the same soname, so it
 would share the policy, and its small intra-op parallel regions ran 9x slower passive (tried
 for every process once, README). The export and apply agents load no torch (a test keeps it
-so); the trainer and the rollout engines keep libgomp's default.
+so); the trainer and the rollout engines keep libgomp's default. ``deltarl bench codec`` calls
+it too, before it imports torch: there torch only simulates the optimizer steps, which are
+not timed (1.5-2.8 s a step passive against 0.9-2.4 s, 98M parameters), and the kernels it
+times must run as the agents run them.
 
 The policy is only a default: an operator's own ``OMP_WAIT_POLICY`` is kept. libgomp reads it
 once, when it is loaded, which numba does at the first parallel kernel; so this is called at

@@ -135,3 +135,6 @@ def test_bench_codec_table_names_the_targets():
     assert "values by class: wire" in out.stdout
     assert "apply without its decode, each part alone: writes" in out.stdout
     assert "its writes and verify alone" in out.stdout  # the apply target's ceiling here
+    # its kernels' threads sleep between kernels as the agents' do: the policy was set before
+    # torch (the simulation) loaded the OpenMP runtime they share (deltarl/ops/kernel_threads.py)
+    assert "loaded already" not in out.stderr, out.stderr

@@ -103,6 +103,20 @@ def test_libgomp_loaded_reads_the_maps(tmp_path):
     assert not libgomp_loaded(tmp_path / "absent")
 
 
+def test_bench_codec_loads_openmp_only_after_setting_it():
+    # its simulation runs on torch, which loads the OpenMP runtime the kernels share: the
+    # command and its module must load neither before its main has set the policy
+    probe = (
+        "import sys, deltarl.cli, deltarl.bench.codec; "
+        "from deltarl.ops.kernel_threads import libgomp_loaded; "
+        "print('torch' in sys.modules, libgomp_loaded())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
 def test_the_agents_that_set_it_load_no_torch():
     # torch would share the policy (its libgomp has the same soname) and run its small ops far
     # slower with it: only processes without torch may set it (deltarl/ops/kernel_threads.py)
