@@ -31,7 +31,9 @@ the result bit for bit against the trainer's version, and reports:
 - conditioned: the same delta coded against the reference's exponents as well
   (``DeltaEncoder(conditioned=True)``, codecs/conditioned.py), each range kept in whichever
   coding is smaller: its wire bytes, bytes per change, ratio to the ordered bound (target at
-  most 0.85), encode and apply speed, bit-exactness, measured beside the default coding.
+  most 0.85), encode and apply speed, bit-exactness, measured beside the default coding;
+  and walk_gbps, its walk over the reference alone (``codec_walk``: each element's class and
+  that class's countdown, no coding), the floor under both its encode and its apply here.
 
 ``--peers`` also runs two peer coders on the same deltas (``codec_peers``: a NeMo-style XOR +
 gaps + zstd-1 coder and absolute indices + values), each checked bit for bit, and reports
@@ -67,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from deltarl.bench.codec_walk import walk_seconds
 
 from deltarl.codecs.decoder import (
     ChecksumMismatchError,
@@ -215,6 +218,7 @@ def run(
             [encoder, one_k_encoder], layout, ref, cur, step, repeat, two_buffers=True, parts=True
         )
         (cond,) = _measure([conditioned_encoder], layout, ref, cur, step, repeat)
+        walk_s = walk_seconds(layout, ref, repeat)
         k_wire = one_k.wire
         changed, bound = iid_bound_bytes_per_change(layout, ref, cur)
         _, ordered = ordered_bound_bytes_per_change(layout, ref, cur)
@@ -250,6 +254,9 @@ def run(
                     "encode_gbps": model_bytes / cond.encode_s / 1e9,
                     "apply_gbps": model_bytes / cond.apply_s / 1e9,
                     "bit_exact": cond.bit_exact,
+                    # its walk over the reference alone (codec_walk.py): the floor under
+                    # both its encode and its apply on this machine
+                    "walk_gbps": model_bytes / walk_s / 1e9,
                 },
                 # the default coding with one Rice parameter per record for the values, not
                 # one per class of the reference element (value_classes=False), same run
@@ -428,6 +435,7 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
         c = s["conditioned"]
         cond_t = TARGETS["conditioned_vs_ordered_bound"]
         c_enc, c_app = c["encode_gbps"] / mem, c["apply_gbps"] / mem
+        floor = f"its walk over the reference alone {c['walk_gbps'] / mem:.2f}x"
         rows += [
             (f"{step}: conditioned bit-exact", c["bit_exact"]),
             (
@@ -436,11 +444,11 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
                 c["vs_ordered_bound"] <= cond_t,
             ),
             (
-                f"{step}: conditioned encode {c_enc:.2f}x memcpy (target >= {enc_t})",
+                f"{step}: conditioned encode {c_enc:.2f}x memcpy (target >= {enc_t}; {floor})",
                 c_enc >= enc_t,
             ),
             (
-                f"{step}: conditioned apply {c_app:.2f}x memcpy (target >= {app_t})",
+                f"{step}: conditioned apply {c_app:.2f}x memcpy (target >= {app_t}; {floor})",
                 c_app >= app_t,
             ),
         ]
@@ -502,6 +510,8 @@ def render(result: dict[str, Any]) -> str:
             f"({c['bytes_per_change'] / s['bytes_per_change']:.2f}x the default coding, "
             f"{c['vs_ordered_bound']:.3f}x the ordered bound), encode {c['encode_gbps']:.2f} "
             f"GB/s, apply {c['apply_gbps']:.2f} GB/s, bit-exact {'yes' if c['bit_exact'] else 'NO'}"
+            f"; its walk over the reference alone {c['walk_gbps']:.2f} GB/s "
+            f"({c['walk_gbps'] / mem:.2f}x memcpy)"
         )
     for s in result["steps"]:
         for name, p in s.get("peers", {}).items():

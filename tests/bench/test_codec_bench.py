@@ -39,6 +39,7 @@ CONDITIONED_KEYS = {
     "encode_gbps": float,
     "apply_gbps": float,
     "bit_exact": bool,
+    "walk_gbps": float,
 }
 
 
@@ -96,6 +97,7 @@ def test_bench_codec_json_shape_and_bit_exactness():
         # tensors this small the model's learning cost eats the gain; test_conditioned.py
         # and the benchmark at full size measure the gain.)
         assert c["bit_exact"] is True
+        assert 0 < c["walk_gbps"] < math.inf  # its floor, timed: a real, finite rate
         assert 0 < c["wire_bytes"] <= s["wire_bytes"] + 24
         ordered = s["entropy_ordered_bytes_per_change"]
         assert c["vs_ordered_bound"] == c["bytes_per_change"] / ordered
@@ -135,6 +137,7 @@ def test_bench_codec_table_names_the_targets():
     assert "values by class: wire" in out.stdout
     assert "apply without its decode, each part alone: writes" in out.stdout
     assert "its writes and verify alone" in out.stdout  # the apply target's ceiling here
+    assert "its walk over the reference alone" in out.stdout  # the conditioned coding's
     # its kernels' threads sleep between kernels as the agents' do: the policy was set before
     # torch (the simulation) loaded the OpenMP runtime they share (deltarl/ops/kernel_threads.py)
     assert "loaded already" not in out.stderr, out.stderr
