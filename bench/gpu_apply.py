@@ -32,7 +32,8 @@ model that fits both device and host memory (up to ``--max-params``).
 
 On a machine without a GPU it runs on the CPU (``--device cpu``: the full path is then a
 memcpy), which is what the tests do; the figures that matter come from
-``scripts/gpu-check.sh``.
+``scripts/gpu-check.sh``, or on a GPU machine that cannot install deltarl from
+``scripts/gpu-apply-offline.sh`` (this file run from the checkout, orjson carried as a wheel).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@
 #   4. run `deltarl up` on SmolLM2 with two rollout engines on the one GPU (each with a 0.3
 #      share of its memory), and print the figures: steps/s, refit time, engine tokens/s.
 # The trainer trains on the GPU too (device = "auto"). Figures go to $OUT (default ./gpu-check).
+# The install needs the package index install.sh uses; on a GPU machine without one, step 3
+# alone runs from the checkout with scripts/gpu-apply-offline.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}
