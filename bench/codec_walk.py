@@ -5,7 +5,7 @@ walking the reference: for each element, its class (the exponent of its referenc
 that class's countdown to its next change, loaded, decremented and stored back. The walk is
 the same whatever the delta, and it is a chain through memory wherever neighbours share a
 class (a store, then a load of the same slot), so it costs the same on every step however
-few elements changed. ``walk_seconds`` times that loop and nothing else: no coding, no event
+few elements changed. ``walker`` gives that loop and nothing else: no coding, no event
 but a class's first element. The conditioned encode and apply cannot be faster than it, so
 ``bench codec`` reports it beside them, as it reports the writes and the verify beside the
 default coding's apply.
@@ -16,8 +16,7 @@ to the kernels' threads as the decoder deals its records (``kernels.deal``).
 
 from __future__ import annotations
 
-import statistics
-import time
+from collections.abc import Callable
 
 import numpy as np
 from numba import njit, prange
@@ -55,9 +54,10 @@ def _walk(ref, starts, lengths, shift, mask, met, order, bounds):
             met[i] = _walk_range(ref, starts[i], lengths[i], shift, mask)
 
 
-def walk_seconds(layout: Layout, ref: np.ndarray, repeat: int) -> float:
-    """Median seconds of one walk over every tensor the conditioned coding may code (the
-    kernel compiled and run once untimed first)."""
+def walker(layout: Layout, ref: np.ndarray) -> Callable[[], None]:
+    """One walk over every tensor of ``ref`` the conditioned coding may code, ready to time
+    (its arrays made here; the kernel compiles at the first call, which the caller leaves
+    untimed)."""
     groups: dict[str, list[int]] = {}
     for i, spec in enumerate(layout.tensors):
         if spec.dtype in EXPONENT and spec.itemsize <= 4 and spec.numel:
@@ -76,10 +76,4 @@ def walk_seconds(layout: Layout, ref: np.ndarray, repeat: int) -> float:
         for args in calls:
             _walk(*args)
 
-    walk()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        walk()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return walk
