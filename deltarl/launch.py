@@ -13,6 +13,7 @@ harness, with the same commands and configuration a cluster runs.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from deltarl.ops.parent_death import HARNESS_PID_ENV
 from deltarl.transport.control import ControlProtocolError, ControlTimeoutError, request_sync
 from deltarl.transport.messages import REPLIES, Command, GetStatus, Reply, Status
 
@@ -63,7 +65,12 @@ class DaemonGroup:
         ``[daemons.TABLE]`` (default ``name``; ``--name TABLE`` is passed when it is not the
         command) of ``config`` (default: the group's file, one for every daemon). ``prefix``
         runs it inside another command (``ip netns exec ...``); ``own_session``: a Ctrl-C at
-        the terminal does not reach it, so the caller can stop the group in order."""
+        the terminal does not reach it, so the caller can stop the group in order.
+
+        The daemon is told this process's pid (``parent_death.end_with_harness``): if this
+        process dies without stopping it, the kernel sends it SIGTERM. Linux sends that
+        when the *thread* that started the daemon exits, so start daemons from a thread that
+        outlives them (every harness here starts them from its main thread)."""
         command, table = daemon or name, table or name
         argv = [
             sys.executable,
@@ -81,6 +88,7 @@ class DaemonGroup:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=own_session,
+                env={**os.environ, HARNESS_PID_ENV: str(os.getpid())},
             )
         self.procs[name] = proc
         return proc

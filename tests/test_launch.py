@@ -1,13 +1,20 @@
-"""``DaemonGroup`` with real daemons: start, status, waves of drain, a death, a timeout."""
+"""``DaemonGroup`` with real daemons: start, status, waves of drain, a death, a timeout, and
+the daemons ending with a harness killed without stopping them."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from deltarl.launch import DaemonDied, DaemonGroup, WaitTimeout
+from deltarl.ops.parent_death import HARNESS_PID_ENV
 from deltarl.transport.messages import Drain, Ok, Status
 
 
@@ -93,3 +100,74 @@ def test_kill_reports_the_signal(tmp: Path) -> None:
         assert group.dead() == "victim exited with status -9"
     finally:
         group.stop(timeout_s=10)
+
+
+HARNESS = """
+import sys, time
+from pathlib import Path
+from tests.test_launch import _group
+tmp = Path(sys.argv[1])
+group = _group(tmp, "child")
+group.start("child", daemon="scheduler")
+group.wait("it answers", lambda: group.status("child") is not None, 120)
+print(group.procs["child"].pid, flush=True)
+time.sleep(600)  # killed by the test, never stopping its group
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_harness_takes_its_daemons_with_it(tmp: Path) -> None:
+    # the fault: the process that started the daemons dies by SIGKILL, with no cleanup of its
+    # own (a test's timeout killing a bench did that, and its daemons ran on for good)
+    root = Path(__file__).resolve().parents[1]
+    harness = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(tmp)], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert harness.stdout is not None
+        pid = int(harness.stdout.readline())
+        assert _alive(pid)
+        harness.kill()
+        harness.wait(10)
+        deadline = time.monotonic() + 60
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the daemon outlived the harness that started it"
+        # it was told by SIGTERM, so it drained and stopped as on a shutdown
+        assert "SIGTERM" in (tmp / "child.log").read_text()
+    finally:
+        harness.kill()
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_daemon_whose_harness_is_gone_does_not_start(tmp: Path) -> None:
+    # the harness died before the daemon could ask to be signalled: it would never be told
+    config = tmp / "deltarl.toml"
+    config.write_text(f'[daemons.late]\ncontrol = "ipc://{tmp}/late.sock"\ndb = "{tmp}/l.sqlite"\n')
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltarl.cli",
+            "scheduler",
+            "--config",
+            str(config),
+            "--name",
+            "late",
+        ],
+        env={**os.environ, HARNESS_PID_ENV: "1"},  # not this daemon's parent
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1
+    assert "the process that started this daemon (pid 1) has exited" in out.stderr

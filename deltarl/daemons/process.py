@@ -25,6 +25,7 @@ from deltarl.engine import loop
 from deltarl.engine.daemon import DaemonContext, DaemonCore, serve
 from deltarl.engine.supervisor import EscalationError
 from deltarl.ops import logs, placement
+from deltarl.ops.parent_death import end_with_harness
 from deltarl.transport.curve import CurveKeyError
 
 T = TypeVar("T")
@@ -75,6 +76,7 @@ def run(
     reload: Callable[[], DaemonTable] | None = None,
 ) -> int:
     """Serve one daemon whose config is loaded; the exit status (ConfigError propagates)."""
+    end_with_harness()  # started by deltarl up, a bench or a test: not to outlive it
 
     async def make(context: DaemonContext) -> DaemonCore:
         return await build(cfg, context)

@@ -37,7 +37,6 @@ sharded (FSDP) trainer would need a gather first or shard-wise publishing.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import datetime
 import logging
@@ -54,6 +53,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
+from deltarl.ops.parent_death import signal_on_parent_death
 from deltarl.trainer.grpo import GRPOBatch, GRPOConfig, StepStats, train_step
 
 if TYPE_CHECKING:
@@ -273,23 +273,13 @@ class Workers:
             dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the one that started it dies (Linux; a no-op elsewhere)."""
-    pr_set_pdeathsig = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-
-
 def worker(spec_path: Path, rank: int) -> int:
     """Rank ``rank``: build the model as rank 0 does, join, then follow rank 0's steps."""
     from deltarl.config.rl import RLTrainerConfig  # noqa: PLC0415 - only workers need these
     from deltarl.config.tables import build  # noqa: PLC0415
     from deltarl.trainer.service import build_model, grpo_config  # noqa: PLC0415 - it imports this module
 
-    _die_with_parent()
+    signal_on_parent_death(signal.SIGKILL)  # rank 0 dying takes its workers (R3)
     spec = orjson.loads(spec_path.read_bytes())
     record = {k: v for k, v in spec["config"].items() if v is not None}
     cfg = build(RLTrainerConfig, "[daemons.trainer] of rank 0", record)
