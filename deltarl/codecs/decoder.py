@@ -237,7 +237,9 @@ def _decode_chunk(
     reference: np.ndarray | None,
     into: np.ndarray | None,
 ) -> DecodedChunk:
-    buf = memoryview(data).cast("B")
+    # read-only whatever the link handed over (bytes, a bytearray, a writable array): the
+    # streams are views of it, and the kernels read them (_read_only)
+    buf = memoryview(data).toreadonly().cast("B")
     header = check_frame(buf)
     body = buf[HEADER_SIZE:]
     check_versions(header, base, target)
@@ -325,7 +327,7 @@ def _write(
                     continue
                 kernels.scatter_sparse(
                     target.view(bits),
-                    reference.view(bits),
+                    _read_only(reference.view(bits)),
                     bases[sel],
                     batch.counts[sel],
                     batch.out_off[sel],
@@ -341,6 +343,18 @@ def _write(
         where = slice(h.start, h.start + h.length)
         old = None if h.val_coding == VAL_RAW else layout.view(reference, h.tensor_id)[where]
         layout.view(target, h.tensor_id)[where] = decode_values(coded, old, h.val_coding, is_float)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``, for a kernel input the kernel only reads. numba compiles a
+    kernel once per type of its arguments, and a read-only array is a type apart from a
+    writable one: a frame received into a bytearray (the UCX link) or a writable reference
+    made the apply agent of a fresh install compile a second variant of the decode kernel
+    at its first such delta, which the install's warm-up had not (113 s on a busy 2-core
+    host). Passed read-only always, one variant serves every link and every caller."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def _floats(layout: Layout, tensor_ids: np.ndarray) -> np.ndarray:
@@ -658,7 +672,7 @@ def _decode_rice(
         _check_reference(ids[j], "its values are coded by class", reference, layout)
     if write or classed.any():
         bases = batch.bases(layout)[sel]
-        ref = (into if reference is None else reference).view(bits)
+        ref = _read_only((into if reference is None else reference).view(bits))
     else:
         bases = np.zeros(0, np.int64)
         ref = np.zeros(0, bits)
@@ -729,7 +743,7 @@ def _decode_conditioned(
     _check_reference(ids[0], "coded against the reference (conditioned)", reference, layout)
     assert reference is not None
     itemsize = rs[0].itemsize
-    view = reference.view(np.dtype(f"<u{itemsize}"))
+    view = _read_only(reference.view(np.dtype(f"<u{itemsize}")))
     dtypes = [layout.tensors[r.tensor_id].dtype for r in rs]
     for dtype in sorted(set(dtypes)):
         sel = [j for j, d in enumerate(dtypes) if d == dtype]

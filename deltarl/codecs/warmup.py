@@ -88,6 +88,22 @@ def warm_up() -> None:
     readonly.flags.writeable = False
     for packed in (marks, readonly):
         assert kernels.bitmap_positions(packed, np.empty(22, np.int64)) == 22
+    # The fault path: a frame refused after some of its records were written has them put
+    # back (decoder._decode_sparse). Compiled here for every width, with no work to do, so
+    # the first refused frame of a process does not wait for a compile.
+    none = np.zeros(0, np.int64)
+    for width in (1, 2, 4, 8):
+        bits = np.dtype(f"<u{width}")
+        kernels.undo_sparse(
+            np.zeros(8, bits),
+            none,
+            none,
+            none,
+            np.zeros(0, np.uint32),
+            np.zeros(0, bits),
+            none,
+            np.zeros(1, np.int64),
+        )
 
 
 def _weights(layout: Layout, buf: np.ndarray) -> None:
