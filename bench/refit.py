@@ -451,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.refits < 1 or args.params < 1:
         ap.error("--refits and --params must be at least 1")
     # the export agent on the lower half, the apply agent on the upper (the larger if odd)
-    split = args.cpus == "split"
-    cpus = halves(os.sched_getaffinity(0), lower_larger=False) if split else None
+    cpus = halves(os.sched_getaffinity(0), lower_larger=False) if args.cpus == "split" else None
     if args.rate_mbit is not None:
         if args.link != "stream":
             ap.error("--rate-mbit shapes the stream link only: use --link stream")

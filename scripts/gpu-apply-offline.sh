@@ -52,30 +52,17 @@ args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--params 98000000 --largest)
 # The bench's module is loaded from its file: bench/ installs as deltarl.bench, which an
 # uninstalled checkout does not have; it imports only deltarl.engine and deltarl.sim.
+load='import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gpu_apply", "bench/gpu_apply.py")
+bench = importlib.util.module_from_spec(spec)
+sys.modules["gpu_apply"] = bench
+spec.loader.exec_module(bench)'
+export PYTHONPATH="$site${site:+:}$PWD"
 rc=0
-PYTHONPATH="$site${site:+:}$PWD" "$python" - "${args[@]}" --json > "$out/gpu_apply.json" \
-  2> "$out/gpu_apply.txt" <<'PY' || rc=$?
-import importlib.util
-import sys
-
-spec = importlib.util.spec_from_file_location("gpu_apply", "bench/gpu_apply.py")
-module = importlib.util.module_from_spec(spec)
-sys.modules["gpu_apply"] = module
-spec.loader.exec_module(module)
-sys.exit(module.main(sys.argv[1:]))
-PY
+"$python" -c "$load; sys.exit(bench.main(sys.argv[1:]))" "${args[@]}" --json \
+  > "$out/gpu_apply.json" 2> "$out/gpu_apply.txt" || rc=$?
 if [ -s "$out/gpu_apply.json" ]; then
-  PYTHONPATH="$site${site:+:}$PWD" "$python" - "$out/gpu_apply.json" <<'PY'
-import importlib.util
-import json
-import sys
-
-spec = importlib.util.spec_from_file_location("gpu_apply", "bench/gpu_apply.py")
-module = importlib.util.module_from_spec(spec)
-sys.modules["gpu_apply"] = module
-spec.loader.exec_module(module)
-print(module.render(json.load(open(sys.argv[1]))))
-PY
+  "$python" -c "$load; print(bench.render(json.load(open(sys.argv[1]))))" "$out/gpu_apply.json"
 else
   echo "gpu-apply-offline: the bench printed no result (exit $rc); its output:" >&2
   tail -n 20 "$out/gpu_apply.txt" >&2

@@ -35,9 +35,10 @@ def warm_up() -> None:
     _weights(layout, ref)
     cur = ref.copy()
     cur[::97] ^= 1
-    # The export agent encodes straight from a store's read-only mapping, and the apply agent
-    # applies against one: numba types a read-only array apart from a writable one, so both
-    # are compiled (else the first refit of a process compiles for seconds).
+    # The export agent encodes straight from a store's read-only mapping or from a writable
+    # copy: numba types a read-only array apart from a writable one, so both are compiled
+    # (else the first refit of a process compiles for seconds). The decoder passes its inputs
+    # read-only whatever it is given (decoder._read_only): one reference serves the applies.
     cur_ro = cur.copy()
     cur_ro.flags.writeable = False
     ref_ro = ref.copy()
@@ -57,8 +58,7 @@ def warm_up() -> None:
         )
         chunks = list(encoding)
         # The apply agent's reference is the store's read-only view of the active buffer.
-        reference = ref_ro if not current.flags.writeable else ref
-        apply = VersionApply(layout, ref.copy(), reference, base=0, version=1)
+        apply = VersionApply(layout, ref.copy(), ref_ro, base=0, version=1)
         for chunk in chunks:
             apply.apply(chunk.data)
         assert encoding.manifest is not None

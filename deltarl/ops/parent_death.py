@@ -10,15 +10,12 @@ children. Linux only; elsewhere nothing is set.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 HARNESS_PID_ENV = "DELTARL_HARNESS_PID"
 """Set by ``launch.DaemonGroup`` for the daemons it starts: the harness's pid."""
-
-logger = logging.getLogger(__name__)
 
 
 def signal_on_parent_death(sig: int) -> bool:
