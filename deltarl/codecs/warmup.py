@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from deltarl.codecs import kernels
-from deltarl.codecs.decoder import VersionApply
+from deltarl.codecs.decoder import DecodedChunk, VersionApply, apply_chunk
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import VAL_ORDERED_DELTA, VAL_XOR
 from deltarl.engine.layout import Layout
@@ -58,11 +58,19 @@ def warm_up() -> None:
         )
         chunks = list(encoding)
         # The apply agent's reference is the store's read-only view of the active buffer.
-        apply = VersionApply(layout, ref.copy(), ref_ro, base=0, version=1)
+        kept: list[DecodedChunk] = []
+        apply = VersionApply(layout, ref.copy(), ref_ro, base=0, version=1, keep=kept)
         for chunk in chunks:
             apply.apply(chunk.data)
         assert encoding.manifest is not None
         apply.verify(encoding.manifest)
+        # The apply agent then brings its other buffer from the base to the version by the
+        # chunks it kept, in place (refit/catch_up.py): the scatter of every record, which
+        # the apply itself wrote as it decoded and so compiled only for the conditioned.
+        behind = ref.copy()
+        for decoded in kept:
+            apply_chunk(decoded, layout, behind, behind)
+        assert np.array_equal(behind, current)
         if conditioned:
             codings = {t.dtype: t.coding for t in encoding.manifest.tensors}
             assert codings["bfloat16"] == codings["float32"] == "conditioned", codings
