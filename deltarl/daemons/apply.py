@@ -13,6 +13,7 @@ import asyncio
 import errno
 import time
 
+from deltarl.codecs.kernel_warmth import start_warming
 from deltarl.config import ConfigError
 from deltarl.config.refit import ApplyConfig
 from deltarl.daemons.process import daemon_main
@@ -76,7 +77,9 @@ async def _build(cfg: ApplyConfig, context: DaemonContext) -> ApplyCore:
         context.on_close(watch.close)
     keys = DataKeys.from_env()  # the manifest MAC key, with the control plane's CURVE keys
     mac_key = None if keys is None else keys.mac_key
-    return ApplyCore(cfg, context, store, make_receiver(cfg.link), relay, mac_key)
+    core = ApplyCore(cfg, context, store, make_receiver(cfg.link), relay, mac_key)
+    core.kernels, _ = start_warming(context.name)  # codecs/kernel_warmth.py
+    return core
 
 
 def main(argv: list[str]) -> int:

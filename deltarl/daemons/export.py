@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from deltarl.codecs.kernel_warmth import start_warming
 from deltarl.config.refit import ExportConfig
 from deltarl.daemons.process import daemon_main
 from deltarl.engine.daemon import DaemonContext
@@ -33,7 +34,9 @@ async def _build(cfg: ExportConfig, context: DaemonContext) -> ExportCore:
     senders = partial(make_sender, cfg.link)
     keys = DataKeys.from_env()  # the manifest MAC key, with the control plane's CURVE keys
     mac_key = None if keys is None else keys.mac_key
-    return ExportCore(cfg, context, feed, senders, ManifestStore(cfg.manifest_store), mac_key)
+    core = ExportCore(cfg, context, feed, senders, ManifestStore(cfg.manifest_store), mac_key)
+    core.kernels, _ = start_warming(context.name)  # codecs/kernel_warmth.py
+    return core
 
 
 def main(argv: list[str]) -> int:

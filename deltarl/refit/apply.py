@@ -76,6 +76,7 @@ from deltarl.codecs.frame import (
     FrameHeader,
     send_slot,
 )
+from deltarl.codecs.kernel_warmth import KernelWarmth
 from deltarl.codecs.manifest import ManifestError, RefitManifest
 from deltarl.codecs.manifest_seal import SealError, open_sealed
 from deltarl.config.refit import ApplyConfig
@@ -165,6 +166,9 @@ class ApplyCore(DaemonCore):
         self.applied = 0
         self.refused = 0
         self.revoked_leases = 0  # writes that revoked a lagging engine's lease (I4)
+        # The warm-up of the codec kernels, started by the process (daemons/apply.py); None
+        # where the core runs without one (in-process tests, benches).
+        self.kernels: KernelWarmth | None = None
         # The last delta committed, to bring the other buffer up to date sparsely (catch_up.py);
         # how each delta's target got to its base: counts by "settled", "catch_up" and "copy".
         self.kept: KeptDelta | None = None
@@ -327,6 +331,8 @@ class ApplyCore(DaemonCore):
 
     async def _job_for(self, version: int, base: int | None, slot: int) -> _Job | None:
         """The open job for ``version``, opened if it is new; None to ignore this item."""
+        if self.kernels is not None:
+            await self.kernels.wait()
         job = self.job
         if job is not None and job.version == version:
             if (job.base, job.slot) == (base, slot):
@@ -666,6 +672,7 @@ class ApplyCore(DaemonCore):
             "sealed": self.mac_key is not None,
             "store": self.config.rollout_store,
             "digests": {str(v): d for v, d in self.digests.items()},
+            "kernels": None if self.kernels is None else self.kernels.fields(),
         }
         if self.relay.children:
             fields["tree"] = self.relay.status(self.receiver_state())

@@ -68,6 +68,7 @@ import orjson
 from deltarl.atomic_file import write_atomic
 from deltarl.codecs.encoder import Chunk, DeltaEncoder
 from deltarl.codecs.frame import CHUNKS_PER_SEND, SEND_SLOTS
+from deltarl.codecs.kernel_warmth import KernelWarmth
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.manifest_seal import seal
 from deltarl.config.refit import ExportConfig
@@ -240,6 +241,9 @@ class ExportCore(DaemonCore):
         self.gate = PauseGate()
         self.store: WeightStore | None = None
         self.encoder: DeltaEncoder | None = None
+        # The warm-up of the codec kernels, started by the process (daemons/export.py);
+        # None where the core runs without one (in-process tests, benches).
+        self.kernels: KernelWarmth | None = None
         self.ref = Reference()
         self.resync_pending = False
         self.deltas_path = deltas_switch_path(manifests.path)
@@ -331,6 +335,8 @@ class ExportCore(DaemonCore):
 
     async def _take_and_ship(self, receiver: ReceiverState) -> None:
         assert self.store is not None  # opened in run()
+        if self.kernels is not None:  # before the lease: the trainer is not held meanwhile
+            await self.kernels.wait()
         taken_at = time.monotonic()
         snap = self.store.lease()
         try:
@@ -702,6 +708,7 @@ class ExportCore(DaemonCore):
             "last": recent[-1] if recent else None,
             "recent": recent,
             "detail": self.detail,
+            "kernels": None if self.kernels is None else self.kernels.fields(),
         }
 
     def handlers(self) -> Mapping[type[Command], Handler]:

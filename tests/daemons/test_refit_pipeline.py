@@ -44,6 +44,13 @@ def test_versions_flow_bit_exact(pipeline: Pipeline) -> None:
     pipeline.wait("3 versions applied", lambda: pipeline.status("apply")["applied"] >= 3)
     version = pipeline.quiesce()
     assert_bit_exact(pipeline.tmp, version)
+    # Each agent warmed its kernels as it started (codecs/kernel_warmth.py), before its
+    # first version: loaded from the install's cache, or compiled into it.
+    for agent in ("export", "apply"):
+        kernels = pipeline.status(agent)["kernels"]
+        assert kernels["state"] == "ready", kernels
+        assert kernels["loaded"] + kernels["compiled"] > 0, kernels
+        assert "codec kernels ready in" in pipeline.log(agent).read_text(), pipeline.logs()
 
     for daemon in ("trainer", "export", "apply"):
         reply = _ctl_status(pipeline, daemon)
