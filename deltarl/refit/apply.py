@@ -46,7 +46,10 @@ Nothing on the wire can take the agent down or change what it will accept later:
   block the real versions for good;
 - a delta on a base the agent does not hold is refused and reported, and neither remembered
   nor asking for a full version: the export agent sees from the receiver state that the
-  bases differ, and the same delta is valid once the agent holds its base.
+  bases differ, and the same delta is valid once the agent holds its base;
+- a stale send, one the export agent gave up on that reaches the agent after newer ones
+  (a manifest encoded before the newest version committed, of a lower version), is refused,
+  never activated: the rollout does not go back to older weights (``_superseded``).
 
 Invariant: at most one job (write transaction) is open, and it is touched only under
 ``_lock``, so a ``rollback`` never races a chunk being applied.
@@ -177,6 +180,9 @@ class ApplyCore(DaemonCore):
         # The last two committed versions' manifests (an eager catch-up's undo is verified
         # against its base's), and the undo of the settled inactive buffer (catch_up.py).
         self.manifests: dict[int, RefitManifest] = {}
+        # (version, time) of the most recently encoded manifest committed: what a stale send
+        # is recognised by (``_superseded``).
+        self.newest_sent: tuple[int, float] | None = None
         self.undo: Undo | None = None
         self.settle_failures = 0
         self.refused_items = 0  # chunks and manifests refused before any use (counted, logged)
@@ -322,6 +328,11 @@ class ApplyCore(DaemonCore):
             self.refused_items += 1
             logger.warning("dropping a malformed manifest for version %d: %s", item.version, e)
             return
+        superseded = self._superseded(manifest)
+        if superseded:
+            # Not remembered and asking for nothing: the sender gave up on it long ago.
+            await self._fail(manifest.version, superseded, needs_full=False, remember=False)
+            return
         slot = send_slot(manifest.chunks[0].id) if manifest.chunks else 0
         job = await self._job_for(manifest.version, base, slot)
         if job is not None:
@@ -442,6 +453,28 @@ class ApplyCore(DaemonCore):
         self.job = None
         self._job_done.set()
 
+    def _superseded(self, manifest: RefitManifest) -> str | None:
+        """Why ``manifest`` is a stale send, never to be activated; None if it is not.
+
+        A send the export agent gave up on (no acknowledgement in time, a link error) may
+        still reach this agent later: its notices or frames wait in the link while this
+        agent is stalled (a long compile, a paused process), and several sender connections'
+        queues are merged in no particular order. Applied then, it would take the rollout
+        back to weights older than those active, with nothing to bring it forward again until
+        the trainer's next version. A manifest encoded before the newest one committed, of
+        a lower version, is such a send: the export agent encodes in order and never sends a
+        version below one sent before, except a new run's versions (encoded later) and a
+        version rolled back from (a higher one). Both conditions are needed: the time alone
+        would refuse a new export agent whose clock stepped back, the version alone a new
+        run's first versions."""
+        newest = self.newest_sent
+        if newest is None or manifest.version >= newest[0] or manifest.time >= newest[1]:
+            return None
+        return (
+            f"superseded: a stale send, encoded {newest[1] - manifest.time:.3f} s before "
+            f"version {newest[0]}, which was activated since"
+        )
+
     def _ignored(self, version: int, base: int | None, slot: int) -> bool:
         """A late duplicate (of an applied version the store holds or has moved past, or of
         the attempt that failed), or a version older than the one open: nothing to do.
@@ -508,6 +541,8 @@ class ApplyCore(DaemonCore):
         self.kept = kept
         self._last_opened_by = job.opened_by
         self.manifests[job.version] = job.manifest
+        if self.newest_sent is None or job.manifest.time >= self.newest_sent[1]:
+            self.newest_sent = (job.version, job.manifest.time)
         for old in [v for v in self.manifests if v < job.version - 1]:
             del self.manifests[old]
         self._finish(job.version, "applied", job.base, job.slot)

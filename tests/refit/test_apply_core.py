@@ -304,3 +304,48 @@ def test_a_failed_full_version_is_accepted_on_its_next_send_not_its_late_chunks(
         await core.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stale_send_never_takes_the_rollout_back(tmp_path: Path) -> None:
+    """Sends the export agent gave up on can reach the agent after newer ones (they waited
+    in the link while the agent stalled, and several sender connections' queues merge in
+    no particular order). One encoded before the newest version committed, of a lower
+    version, is refused; a new run's lower versions (encoded later), a higher version
+    encoded earlier (a clock stepped back) and a re-send after a rollback are not."""
+    layout, vs = _versions(6)
+    tx = Sender(layout, vs)
+
+    async def scenario() -> None:
+        core, context, store = _core(tmp_path, layout)
+        stale_1 = tx.encoded(1, None)  # given up on by the sender, still in the link
+        stale_2 = tx.encoded(2, None)
+        await tx.send(core, 3, *tx.encoded(3, None))
+        for v, (chunks, manifest) in ((2, stale_2), (1, stale_1)):
+            await tx.send(core, v, chunks, manifest)
+            st = core.receiver_state()
+            assert (st.active_version, st.needs_full, st.failed_version) == (3, False, v)
+            assert st.failed_reason.startswith("superseded: a stale send"), st.failed_reason
+        with store.lease() as snap:
+            assert (snap.version, np.array_equal(snap.buffer, vs[3])) == (3, True)
+        # a delta on the active version goes on as before
+        await tx.send(core, 4, *tx.encoded(4, 3))
+        assert core.receiver_state().active_version == 4
+        # a rollback, then the version rolled back from sent again: accepted
+        assert await core.on_rollback(Rollback()) == Ok("rolled back to version 3")
+        await tx.send(core, 4, *tx.encoded(4, None))
+        assert core.receiver_state().active_version == 4
+        # a higher version encoded "earlier" (the export host's clock stepped back)
+        chunks, manifest = tx.encoded(5, 4)
+        body = orjson.loads(manifest)
+        body["time"] -= 3600
+        await tx.send(core, 5, chunks, orjson.dumps(body))
+        assert core.receiver_state().active_version == 5
+        # a new run: its trainer numbers from 0 again, encoded after everything before
+        await tx.send(core, 0, *tx.encoded(0, None))
+        assert core.receiver_state().active_version == 0
+        with store.lease() as snap:
+            assert np.array_equal(snap.buffer, vs[0])
+        refused = [e.version for e in context.events if isinstance(e, RefitFailed)]
+        assert refused == [2, 1], context.events
+
+    asyncio.run(scenario())
