@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 import pytest
 
+from deltarl.launch import DaemonGroup
 from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import Ok, Resume, Rollback
@@ -228,3 +229,38 @@ link = {{type = "shm", name = "n", root = "{tmp_path}"}}
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_an_apply_agent_with_a_cold_kernel_cache(tmp_path: Path) -> None:
+    """An apply agent whose numba cache is empty (a fresh host under the systemd units)
+    compiles its kernels as it starts, says so, and applies its first versions after: no
+    variant is compiled by a refit (the cache holds the same files after three versions as
+    after the warm-up). Slow: the compile takes minutes of a core."""
+    cache = tmp_path / "numba-cache"
+    pipe = Pipeline(tmp_path)
+    try:
+        DaemonGroup.start(pipe, "apply", prefix=["env", f"NUMBA_CACHE_DIR={cache}"])
+        for daemon in ("export", "trainer"):  # the apply agent takes its layout from the trainer
+            pipe.start(daemon)
+        pipe.wait("the apply agent", lambda: pipe.status("apply")["kernels"] is not None, 120)
+        assert pipe.status("apply")["kernels"]["state"] == "warming"
+        pipe.wait(
+            "the warm-up",
+            lambda: pipe.status("apply")["kernels"]["state"] != "warming",
+            1500,
+        )
+        kernels = pipe.status("apply")["kernels"]
+        assert kernels["state"] == "ready", kernels
+        assert kernels["compiled"] > 0, kernels
+        assert kernels["loaded"] == 0, kernels
+        assert kernels["cache"].startswith(str(cache)), kernels
+        warmed = sorted(p.name for p in cache.rglob("*") if p.is_file())
+        pipe.wait("3 versions applied", lambda: pipe.status("apply")["applied"] >= 3, 300)
+        version = pipe.quiesce()
+        assert_bit_exact(tmp_path, version)
+        assert sorted(p.name for p in cache.rglob("*") if p.is_file()) == warmed
+        assert pipe.stop_all() == {"apply": 0, "export": 0, "trainer": 0}, pipe.logs()
+    finally:
+        pipe.kill_all()
