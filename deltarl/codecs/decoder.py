@@ -238,7 +238,7 @@ def _decode_chunk(
     into: np.ndarray | None,
 ) -> DecodedChunk:
     # read-only whatever the link handed over (bytes, a bytearray, a writable array): the
-    # streams are views of it, and the kernels read them (_read_only)
+    # streams are views of it, and the kernels read them (read_only)
     buf = memoryview(data).toreadonly().cast("B")
     header = check_frame(buf)
     body = buf[HEADER_SIZE:]
@@ -327,7 +327,7 @@ def _write(
                     continue
                 kernels.scatter_sparse(
                     target.view(bits),
-                    _read_only(reference.view(bits)),
+                    read_only(reference.view(bits)),
                     bases[sel],
                     batch.counts[sel],
                     batch.out_off[sel],
@@ -345,7 +345,7 @@ def _write(
         layout.view(target, h.tensor_id)[where] = decode_values(coded, old, h.val_coding, is_float)
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
+def read_only(a: np.ndarray) -> np.ndarray:
     """A read-only view of ``a``, for a kernel input the kernel only reads. numba compiles a
     kernel once per type of its arguments, and a read-only array is a type apart from a
     writable one: a frame received into a bytearray (the UCX link) or a writable reference
@@ -672,7 +672,7 @@ def _decode_rice(
         _check_reference(ids[j], "its values are coded by class", reference, layout)
     if write or classed.any():
         bases = batch.bases(layout)[sel]
-        ref = _read_only((into if reference is None else reference).view(bits))
+        ref = read_only((into if reference is None else reference).view(bits))
     else:
         bases = np.zeros(0, np.int64)
         ref = np.zeros(0, bits)
@@ -743,7 +743,7 @@ def _decode_conditioned(
     _check_reference(ids[0], "coded against the reference (conditioned)", reference, layout)
     assert reference is not None
     itemsize = rs[0].itemsize
-    view = _read_only(reference.view(np.dtype(f"<u{itemsize}")))
+    view = read_only(reference.view(np.dtype(f"<u{itemsize}")))
     dtypes = [layout.tensors[r.tensor_id].dtype for r in rs]
     for dtype in sorted(set(dtypes)):
         sel = [j for j, d in enumerate(dtypes) if d == dtype]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from deltarl.codecs import kernels
-from deltarl.codecs.decoder import DecodedChunk, VersionApply, apply_chunk
+from deltarl.codecs.decoder import DecodedChunk, VersionApply, apply_chunk, read_only
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import VAL_ORDERED_DELTA, VAL_XOR
 from deltarl.engine.layout import Layout
@@ -38,11 +38,9 @@ def warm_up() -> None:
     # The export agent encodes straight from a store's read-only mapping or from a writable
     # copy: numba types a read-only array apart from a writable one, so both are compiled
     # (else the first refit of a process compiles for seconds). The decoder passes its inputs
-    # read-only whatever it is given (decoder._read_only): one reference serves the applies.
-    cur_ro = cur.copy()
-    cur_ro.flags.writeable = False
-    ref_ro = ref.copy()
-    ref_ro.flags.writeable = False
+    # read-only whatever it is given (decoder.read_only): one reference serves the applies.
+    cur_ro = read_only(cur.copy())
+    ref_ro = read_only(ref.copy())
     cases = [
         (VAL_ORDERED_DELTA, cur, False),
         (VAL_XOR, cur, False),
@@ -50,7 +48,7 @@ def warm_up() -> None:
         # conditioned records of every float width they code (bf16, f32), from a delta
         # where they win: a tiny step that moves only the smallest weights
         (VAL_ORDERED_DELTA, _tiny_step(layout, ref), True),
-        (VAL_ORDERED_DELTA, _read_only(_tiny_step(layout, ref)), True),
+        (VAL_ORDERED_DELTA, read_only(_tiny_step(layout, ref)), True),
     ]
     for coding, current, conditioned in cases:
         encoding = DeltaEncoder(layout, value_coding=coding, conditioned=conditioned).encode(
@@ -80,7 +78,7 @@ def warm_up() -> None:
     for current, conditioned in (
         (cur, False),
         (cur_ro, False),
-        (_read_only(_tiny_step(layout, ref)), True),
+        (read_only(_tiny_step(layout, ref)), True),
     ):
         advanced = ref.copy()
         list(
@@ -92,9 +90,7 @@ def warm_up() -> None:
     # The delta above has no bitmap records. A bitmap comes from zstd or the frame's bytes
     # (read-only), or from a bytearray frame (writable).
     marks = np.packbits(np.arange(64) % 3 == 0, bitorder="little")
-    readonly = marks.copy()
-    readonly.flags.writeable = False
-    for packed in (marks, readonly):
+    for packed in (marks, read_only(marks)):
         assert kernels.bitmap_positions(packed, np.empty(22, np.int64)) == 22
     # The fault path: a frame refused after some of its records were written has them put
     # back (decoder._decode_sparse). Compiled here for every width, with no work to do, so
@@ -137,11 +133,6 @@ def _tiny_step(layout: Layout, ref: np.ndarray) -> np.ndarray:
             w = layout.view(ref, i).view(np.float32)
             layout.view(cur, i)[:] = (w + np.float32(1e-11)).view(np.uint32)
     return cur
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
 
 
 if __name__ == "__main__":

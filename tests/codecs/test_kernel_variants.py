@@ -4,7 +4,7 @@ numba types a read-only array apart from a writable one and compiles a kernel on
 of its arguments: a frame received into a bytearray (the UCX link) or a writable reference
 made a fresh install's apply agent compile a second variant at its first such delta (113 s
 on a busy 2-core host, a test's whole timeout), one the install's warm-up had not made. The
-decoder passes the kernels' read-only inputs read-only always (decoder._read_only); each case
+decoder passes the kernels' read-only inputs read-only always (decoder.read_only); each case
 runs in a fresh interpreter, so the variants counted are this process's own.
 
 And the warm-up an install runs compiles every variant the agents' paths then use."""
