@@ -60,7 +60,6 @@ def _cache_path(of: Sequence[CPUDispatcher]) -> str | None:
 class KernelWarmth:
     """What the warm-up of an agent's kernels has done; ``fields()`` is its status."""
 
-    state: str = "warming"  # then "ready" or "failed"
     started: float = 0.0  # time.monotonic()
     seconds: float | None = None
     loaded: int = 0
@@ -68,6 +67,12 @@ class KernelWarmth:
     cache: str | None = None
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def state(self) -> str:
+        if not self.done.is_set():
+            return "warming"
+        return "ready" if self.error is None else "failed"
 
     async def wait(self) -> None:
         """Return once the warm-up has ended, however it ended. The agents wait here before
@@ -108,17 +113,14 @@ def start_warming(
             work()
         except Exception as e:  # reported, and the agent goes on serving
             warmth.error = f"{type(e).__name__}: {e}"
-            warmth.state = "failed"
             log.exception("%s: the codec kernels' warm-up failed; refits compile as they go", agent)
         finally:
             loaded, compiled = _counts(watched)
             warmth.loaded, warmth.compiled = loaded - before[0], compiled - before[1]
             warmth.cache = _cache_path(watched)
             warmth.seconds = time.monotonic() - warmth.started
-            if warmth.state != "failed":
-                warmth.state = "ready"
             warmth.done.set()
-        if warmth.state == "failed":
+        if warmth.error is not None:
             return
         log.info(
             "%s: codec kernels ready in %.1f s: %d variants loaded from the cache, %d compiled%s",
