@@ -23,7 +23,8 @@ The reference and its acknowledgement (docs/architecture.md, "Why it pays: the r
     3. encode and send; the manifest last (stream: returns once everything is acked)
     4. wait for the states the receiver pushes: active_version == v (same session): verified
        + active, the reference becomes v | failed_version == v, the session changed, or
-       ack_timeout_s passed: failed, the reference is dropped (step 2 sends a full one next)
+       ack_timeout_s passed: failed, the reference is dropped (step 2 sends a full one next),
+       and what the link still holds of the version is withdrawn (the shm link's files)
 
 Invariant: the reference advances only on an acknowledgement from the same receiver session,
 so every delta is built on bytes the receiver was seen holding.
@@ -261,6 +262,7 @@ class ExportCore(DaemonCore):
         self.failed = 0
         self.republished = 0  # older versions published again, not sent (_republished)
         self.retries = 0  # versions sent again (after a failure, a resync, a restart)
+        self.withdrawn = 0  # chunks of failed versions taken back from the link (_withdraw)
         # version -> how often it was sent: a version sent again numbers its chunks from
         # elsewhere, or a link that delivered them before would drop them as duplicates
         self._sends: dict[int, int] = {}
@@ -619,7 +621,25 @@ class ExportCore(DaemonCore):
         logger.warning("version %d failed: %s", version, reason)
         if recorded:
             self._mark(version, State.FAILED, error=reason)
+        await self._withdraw(version)
         await self.context.publish(RefitFailed(version, reason))
+
+    async def _withdraw(self, version: int) -> None:
+        """Take the failed version's chunks that the apply agent has not taken back from the
+        link (the shm link's files; nothing on a network link): a stalled agent must not
+        apply, once it reads again, a version given up on and sent again since."""
+        if self.sender is None:
+            return
+        try:
+            taken = await self.sender.withdraw(version)
+        except OSError as e:  # tolerated: the receiver still refuses what it cannot complete
+            logger.warning("version %d: its chunks could not be withdrawn: %s", version, e)
+            return
+        if taken:
+            self.withdrawn += taken
+            logger.info(
+                "version %d: withdrew %d chunks the apply agent had not taken", version, taken
+            )
 
     def _record(self, manifest: RefitManifest) -> bool:
         try:
@@ -703,6 +723,7 @@ class ExportCore(DaemonCore):
             "failed": self.failed,
             "republished": self.republished,
             "retries": self.retries,
+            "withdrawn": self.withdrawn,
             "sealed": self.mac_key is not None,
             "receiver_age_s": round(min(self.feed.age_s, 1e9), 3),
             "last": recent[-1] if recent else None,

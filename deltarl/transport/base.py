@@ -98,6 +98,19 @@ class ChunkSender(abc.ABC):
     async def close(self) -> None:
         """Stop; anything not yet delivered is dropped. Idempotent."""
 
+    async def withdraw(self, version: int) -> int:
+        """Take back what the link still holds of ``version`` that no receiver has taken: the
+        sender gave up on the version (no acknowledgement in time, a link error) and will
+        send a newer one, or this one again. Returns how many chunks were taken back (for
+        the shm link, a chunk the receiver is reading may be among them: it reads on).
+
+        Only a link that parks chunks for the receiver to collect holds any: the shm link's
+        files (``ShmSender.withdraw``). A network link's chunks have left, or died with the
+        sender that a link error spent (a stream sender's manifest returns only once every
+        chunk is acknowledged): nothing to take back, 0. Works on a closed sender too."""
+        del version
+        return 0
+
     async def __aenter__(self) -> Self:
         await self.start()
         return self

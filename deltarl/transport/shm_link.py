@@ -22,6 +22,12 @@ Invariants:
   receiver, or died with its sender) and is stale. Temporary files are removed only when
   their writer (the pid in the name) is dead: a live one may be writing it right now.
 
+Withdrawal: a sender that gave up on a version (the export agent heard no acknowledgement in
+time, or the link failed) removes its files of that version the receiver has not taken
+(``withdraw``). The receiver skips a notice whose file is gone, and drops the manifest of a
+version whose chunks were gone until a chunk of it arrives again (a later send of it): that
+send cannot complete, so it must not open a version (``ShmReceiver._lost``).
+
 Backpressure: the directory is the queue. A sender counts its own files there (released
 files are unlinked) and waits while there are ``max_pending_chunks``, up to
 ``pending_timeout_s``, then raises LinkError. Nothing is dropped silently.
@@ -47,6 +53,7 @@ import re
 import secrets
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import xxhash
@@ -193,6 +200,19 @@ class ShmSender(ChunkSender):
             self._sock.close()
             self._sock = None
 
+    async def withdraw(self, version: int) -> int:
+        """Remove this process's chunk files of ``version`` that the receiver has not taken.
+
+        Left, they would hold shared memory until a receiver stalled for long (a compile, a
+        paused process) reads them, and then make it apply a version the sender gave up on
+        and has sent again or passed since (its rollout engines reloading weights for
+        nothing). Every sender of this process counts (a link error spends one, and the
+        files it wrote stay), and only this process's files: the pid is in the name. A file
+        the receiver has mapped already stays readable (unlinking keeps its pages); a notice
+        naming a removed file is skipped, and the manifest after it too (``ShmReceiver``).
+        Returns the files removed, a mapped one included."""
+        return await asyncio.to_thread(self._remove_own, version)
+
     async def _ready(self) -> zmq.asyncio.Socket:
         await self.start()
         if self._sock is None:
@@ -217,13 +237,30 @@ class ShmSender(ChunkSender):
         os.rename(tmp, directory / name)
         return len(view), xxhash.xxh3_64_intdigest(view)
 
-    def _pending_files(self) -> int:
+    def _own_files(self) -> Iterator[tuple[int, str]]:
+        """(version, path) of each chunk file this process wrote that is still there."""
         own = str(self._pid)
-        return sum(
-            1
-            for entry in os.scandir(self.config.directory)
-            if (m := CHUNK_FILE.fullmatch(entry.name)) and m.group(3) == own
-        )
+        try:
+            entries = list(os.scandir(self.config.directory))
+        except FileNotFoundError:  # never started: nothing written
+            return
+        for entry in entries:
+            if (m := CHUNK_FILE.fullmatch(entry.name)) and m.group(3) == own:
+                yield int(m.group(1)), entry.path
+
+    def _pending_files(self) -> int:
+        return sum(1 for _ in self._own_files())
+
+    def _remove_own(self, version: int) -> int:
+        removed = 0
+        for found, path in self._own_files():
+            if found == version:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:  # taken and released meanwhile
+                    continue
+                removed += 1
+        return removed
 
     async def _wait_for_room(self) -> None:
         limit, deadline = self.config.max_pending_chunks, self.config.pending_timeout_s
@@ -263,6 +300,10 @@ class ShmReceiver(ChunkReceiver):
         self._held: dict[str, ReceivedChunk] = {}  # by file name: yielded, not yet released
         self._closed = False
         self._receiving: asyncio.Future[list[bytes]] | None = None  # the pending recv
+        # Versions whose last chunk notice named a file that was gone (withdrawn by its
+        # sender, or removed as stale): their manifest cannot complete them, so it is dropped,
+        # until a chunk of the version arrives again (a send of it after the withdrawal).
+        self._lost: set[int] = set()
 
     @property
     def held(self) -> int:
@@ -347,6 +388,13 @@ class ShmReceiver(ChunkReceiver):
             if len(frames[2]) > self.config.max_manifest_bytes:
                 logger.error("shm link: refused a %d-byte manifest", len(frames[2]))
                 return None
+            if version in self._lost:
+                logger.warning(
+                    "shm link: dropped the manifest of version %d: chunks of it were gone "
+                    "(withdrawn by the sender, which gave up on it)",
+                    version,
+                )
+                return None
             if not self._delivered.add_manifest(version, manifest_mark(frames[2])):
                 return None
             return ReceivedManifest(version, frames[2])
@@ -372,18 +420,18 @@ class ShmReceiver(ChunkReceiver):
         try:
             mm, view = await asyncio.to_thread(self._map, path, size, checksum)
         except FileNotFoundError:
-            logger.warning(
-                "shm link: %s is gone (removed as stale by a receiver restart?); "
-                "version %d chunk %d is lost",
-                path,
-                version,
-                chunk_id,
-            )
+            # Withdrawn by its sender (it gave up on the version) or removed as stale by a
+            # receiver's start: either way this send of the version cannot complete.
+            logger.info("shm link: version %d chunk %d is gone (%s)", version, chunk_id, name)
+            self._lost.add(version)
+            while len(self._lost) > self.config.keep_versions:
+                self._lost.discard(min(self._lost))
             return None
         except ValueError as exc:
             logger.error("shm link: refused version %d chunk %d: %s", version, chunk_id, exc)  # noqa: TRY400 - a bad file, not a bug here
             path.unlink(missing_ok=True)
             return None
+        self._lost.discard(version)  # a send of it after the one withdrawn
         chunk = ReceivedChunk(version, chunk_id, view, lambda: self._free(name, path, mm, view))
         if self._closed or not self._delivered.add_chunk(version, chunk_id, fingerprint(view)):
             chunk.release()  # closed while mapping, or a duplicate: delivered once already

@@ -31,7 +31,7 @@ from deltarl.refit.receiver_state import ReceiverState, StateFeed
 from deltarl.sim.realistic_deltas import RealisticDeltas
 from deltarl.transport.base import ChunkSender, LinkError, make_receiver, make_sender
 from deltarl.transport.link_config import ShmLinkConfig
-from deltarl.transport.messages import Event, Ok, Resync, Rollback
+from deltarl.transport.messages import Event, Ok, Resync, Rollback, VersionApplied
 
 PARAMS = 200_000
 
@@ -85,6 +85,7 @@ async def pair(
     link_root: Path | None = None,
     chunk_bytes: int = 16 << 20,
     sender: Callable[[ShmLinkConfig], ChunkSender] = make_sender,
+    ack_timeout_s: float = 10,
 ) -> AsyncIterator[Pair]:
     trainer = RealisticDeltas(PARAMS, seed=5)
     published = WeightStore.create("pub", trainer.layout, root=tmp)
@@ -104,7 +105,7 @@ async def pair(
         store_root=tmp,
         full_resync_every=full_resync_every,
         full_resync_overhead=full_resync_overhead,
-        ack_timeout_s=10,
+        ack_timeout_s=ack_timeout_s,
         poll_s=0.01,
         chunk_bytes=chunk_bytes,
     )
@@ -206,6 +207,42 @@ def test_a_delta_stopped_mid_encoding_leaves_no_reference(tmp_path: Path) -> Non
             assert (again.version, again.kind, again.outcome) == (version, "full", "active")
             await p.active(p.publish())  # and a delta on it, bit-exact
             assert p.export.recent[-1].kind == "delta"
+
+    asyncio.run(scenario())
+
+
+def test_a_version_given_up_on_is_withdrawn_not_applied_after_a_stall(tmp_path: Path) -> None:
+    """The fault: the apply agent stalls (a compile, a paused process) with version 2 on the
+    link, one chunk of it taken; the export agent hears no acknowledgement in time, gives
+    version 2 up and sends the newest, 3, in full. Once the agent reads again it must not
+    apply version 2 first (its engines reloading weights that are already stale): the
+    export agent withdrew what the link still held of it, and only 3 is applied."""
+
+    async def scenario() -> None:
+        async with pair(tmp_path, chunk_bytes=64 << 10, ack_timeout_s=1.0) as p:
+            await p.active(0)
+            await p.active(p.publish())
+            directory = p.apply.receiver.config.directory
+            async with p.apply._lock:  # the stall: no item is handled while it is held
+                stale = p.publish()
+                async with asyncio.timeout(30):
+                    while p.export.failed == 0:  # noqa: ASYNC110 - a core's state
+                        await asyncio.sleep(0.001)
+                    newest = p.publish()  # before the retry's back-off ends: it goes next
+                    while p.export.taken != newest:  # noqa: ASYNC110 - a core's state
+                        await asyncio.sleep(0.001)
+                failed = p.export.recent[-1]
+                assert (failed.version, failed.kind) == (stale, "delta")
+                assert "no acknowledgement" in failed.outcome
+                assert p.export.withdrawn > 1  # the chunk taken and at least one more
+                left = [f.name for f in directory.iterdir() if f.name.startswith(f"v{stale}-")]
+                assert left == []
+            await p.active(newest)
+            assert (p.export.recent[-1].kind, p.export.recent[-1].outcome) == ("full", "active")
+            applied = [
+                e.version for e in p.apply.context.published if isinstance(e, VersionApplied)
+            ]
+            assert applied == [0, 1, newest]  # never the version given up on
 
     asyncio.run(scenario())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -279,6 +280,7 @@ def test_stale_files_are_cleaned_on_start(config: ShmLinkConfig) -> None:
 
 def test_bad_notices_are_logged_and_skipped(config: ShmLinkConfig, caplog) -> None:
     directory = config.directory
+    caplog.set_level(logging.INFO, "deltarl.transport.shm_link")  # a gone file is routine
 
     async def main() -> None:
         async with make_receiver(config) as receiver:
@@ -355,6 +357,69 @@ def test_no_receiver_is_a_clear_error(tmp_path: Path) -> None:
             await sender.send_chunk(1, 0, b"x")
 
     run(main())
+
+
+def test_a_withdrawn_send_never_reaches_the_consumer(config: ShmLinkConfig) -> None:
+    """The fault: the sender gives up on version 1 (its receiver stalled) after the receiver
+    took one of its chunks, and sends version 2. Withdrawn, version 1's other files are gone
+    (another process's file of that version stays), its manifest is dropped, version 2
+    arrives whole, and a later send of version 1 is delivered again."""
+    (full, full_manifest), (delta, delta_manifest) = encoded_versions(5)
+
+    async def main() -> None:
+        receiver = ShmReceiver(config)
+        await receiver.start()
+        other = config.directory / f"v1-c99.{os.getpid() + 1}-0.bin"
+        other.write_bytes(b"another sender's")
+        other.chmod(0o600)
+        async with make_sender(config) as sender:
+            for i in range(4):
+                await sender.send_chunk(1, i, full[i])
+            await sender.send_manifest(1, full_manifest)
+            first = await anext(receiver)  # taken (mapped) before the sender gives up
+            assert isinstance(first, ReceivedChunk)
+            assert (first.version, first.chunk_id) == (1, 0)
+            # All four files: the one mapped too (its reader keeps the pages).
+            assert await sender.withdraw(1) == 4
+            assert await sender.withdraw(1) == 0
+            assert bytes(first.data) == full[0]  # a mapped chunk stays readable
+            first.release()
+            assert chunk_files(config) == [other.name]
+
+            async def send_delta() -> None:  # more chunks than max_pending_chunks: read along
+                for i, chunk in enumerate(delta):
+                    await sender.send_chunk(2, i, chunk)
+                await sender.send_manifest(2, delta_manifest)
+
+            sending = asyncio.create_task(send_delta())
+            got = []
+            for _ in range(len(delta) + 1):
+                got.append(await anext(receiver))
+                if isinstance(got[-1], ReceivedChunk):
+                    got[-1].release()
+            await sending
+            assert [(type(g).__name__, g.version) for g in got] == [
+                *[("ReceivedChunk", 2)] * len(delta),
+                ("ReceivedManifest", 2),
+            ]
+            # Sent again after the withdrawal: its chunks and manifest arrive.
+            await sender.send_chunk(1, 1000, full[0])
+            await sender.send_manifest(1, b"{again}")
+            again = [await anext(receiver) for _ in range(2)]
+            assert isinstance(again[0], ReceivedChunk)
+            assert again[0].chunk_id == 1000
+            again[0].release()
+            assert isinstance(again[1], ReceivedManifest)
+            assert again[1].data == b"{again}"
+        await receiver.close()
+        assert chunk_files(config) == [other.name]  # never another process's
+
+    run(main())
+
+
+def test_a_sender_that_never_started_has_nothing_to_withdraw(tmp_path: Path) -> None:
+    config = ShmLinkConfig(name="never", root=tmp_path)
+    assert run(ShmSender(config).withdraw(1)) == 0
 
 
 def test_close_removes_files_of_notices_not_yet_read(config: ShmLinkConfig) -> None:
