@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from deltarl.refit.manifest_store import ManifestStore, State
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import Ok, Resume, Rollback
 from tests.daemons.pipeline import Pipeline, assert_bit_exact, refit_tables, shm_link
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ctl_status(pipe: Pipeline, daemon: str) -> dict[str, Any]:
@@ -261,6 +264,59 @@ def test_an_apply_agent_with_a_cold_kernel_cache(tmp_path: Path) -> None:
         version = pipe.quiesce()
         assert_bit_exact(tmp_path, version)
         assert sorted(p.name for p in cache.rglob("*") if p.is_file()) == warmed
+        assert pipe.stop_all() == {"apply": 0, "export": 0, "trainer": 0}, pipe.logs()
+    finally:
+        pipe.kill_all()
+
+
+def test_an_apply_agent_whose_kernel_warm_up_fails_serves_on(tmp_path: Path) -> None:
+    """The fault, in the agent's own process: its warm-up raises, as on a full disk (a
+    ``sitecustomize`` on its PYTHONPATH puts a failing function in place of the codec's
+    ``warm_up``). The agent says so in its status and its log, with the traceback, and
+    applies versions anyway, bit-exact: its kernels load or compile as refits first use them."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """\
+            import errno
+
+            from deltarl.codecs import warmup
+
+
+            def _fails() -> None:
+                raise OSError(errno.ENOSPC, "no space left for the kernel cache (injected)")
+
+
+            warmup.warm_up = _fails
+            """
+        )
+    )
+    path = os.pathsep.join(p for p in (str(inject), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    pipe = Pipeline(tmp_path)
+    try:
+        DaemonGroup.start(pipe, "apply", prefix=["env", f"PYTHONPATH={path}"])
+        for daemon in ("export", "trainer"):
+            pipe.start(daemon)
+
+        def warm_up_ended() -> bool:
+            kernels = pipe.status("apply")["kernels"]
+            return kernels is not None and kernels["state"] != "warming"
+
+        pipe.wait("the apply agent's warm-up", warm_up_ended, 120)
+        kernels = pipe.status("apply")["kernels"]
+        assert kernels["state"] == "failed", kernels
+        assert (
+            kernels["error"] == "OSError: [Errno 28] no space left for the kernel cache (injected)"
+        )
+        log = pipe.log("apply").read_text()
+        assert "the codec kernels' warm-up failed; refits compile as they go" in log, log
+        assert "Traceback" in log, log
+        assert "codec kernels ready" not in log, log
+        pipe.wait("3 versions applied", lambda: pipe.status("apply")["applied"] >= 3, 300)
+        version = pipe.quiesce()
+        assert_bit_exact(tmp_path, version)
+        assert pipe.status("export")["kernels"]["state"] == "ready"  # only the apply agent's
         assert pipe.stop_all() == {"apply": 0, "export": 0, "trainer": 0}, pipe.logs()
     finally:
         pipe.kill_all()
