@@ -320,3 +320,28 @@ def test_an_apply_agent_whose_kernel_warm_up_fails_serves_on(tmp_path: Path) -> 
         assert pipe.stop_all() == {"apply": 0, "export": 0, "trainer": 0}, pipe.logs()
     finally:
         pipe.kill_all()
+
+
+def test_an_apply_agent_stopped_while_it_compiles_its_kernels_stops_at_once(
+    tmp_path: Path,
+) -> None:
+    """The fault: an operator stops an agent on a fresh host while it compiles its kernels
+    (an empty numba cache: minutes of a core). The warm-up's thread must not hold the stop
+    up nor crash the interpreter's teardown beside a compile: status 0, in seconds."""
+    pipe = Pipeline(tmp_path)
+    try:
+        pipe.start("trainer")  # the apply agent takes its layout from the trainer's store
+        pipe.wait("the trainer's store", lambda: pipe.status("trainer") is not None)
+        cache = tmp_path / "numba-cache"
+        DaemonGroup.start(pipe, "apply", prefix=["env", f"NUMBA_CACHE_DIR={cache}"])
+        pipe.wait("the apply agent", lambda: pipe.status("apply")["kernels"] is not None, 120)
+        time.sleep(2.0)  # into the compile
+        assert pipe.status("apply")["kernels"]["state"] == "warming"
+        started = time.monotonic()
+        assert pipe.stop_all() == {"apply": 0, "trainer": 0}, pipe.logs()
+        assert time.monotonic() - started < 20, pipe.logs()
+        log = pipe.log("apply").read_text()
+        assert "apply: stopped" in log, log
+        assert "Fatal Python error" not in log, log
+    finally:
+        pipe.kill_all()
