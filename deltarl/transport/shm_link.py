@@ -24,9 +24,10 @@ Invariants:
 
 Withdrawal: a sender that gave up on a version (the export agent heard no acknowledgement in
 time, or the link failed) removes its files of that version the receiver has not taken
-(``withdraw``). The receiver skips a notice whose file is gone, and drops the manifest of a
-version whose chunks were gone until a chunk of it arrives again (a later send of it): that
-send cannot complete, so it must not open a version (``ShmReceiver._lost``).
+(``withdraw``). The receiver skips a notice whose file is gone (or refuses a bad one), and
+drops the manifest of a version whose chunks were lost so until a chunk of it arrives again (a
+later send of it): that send cannot complete, so it must not open a version
+(``ShmReceiver._lost``).
 
 Backpressure: the directory is the queue. A sender counts its own files there (released
 files are unlinked) and waits while there are ``max_pending_chunks``, up to
@@ -301,8 +302,8 @@ class ShmReceiver(ChunkReceiver):
         self._closed = False
         self._receiving: asyncio.Future[list[bytes]] | None = None  # the pending recv
         # Versions whose last chunk notice named a file that was gone (withdrawn by its
-        # sender, or removed as stale): their manifest cannot complete them, so it is dropped,
-        # until a chunk of the version arrives again (a send of it after the withdrawal).
+        # sender, or removed as stale) or bad: their manifest cannot complete them, so it is
+        # dropped, until a chunk of the version arrives again (a send of it after that).
         self._lost: set[int] = set()
 
     @property
@@ -390,8 +391,8 @@ class ShmReceiver(ChunkReceiver):
                 return None
             if version in self._lost:
                 logger.warning(
-                    "shm link: dropped the manifest of version %d: chunks of it were gone "
-                    "(withdrawn by the sender, which gave up on it)",
+                    "shm link: dropped the manifest of version %d: chunks of it were lost "
+                    "(withdrawn by a sender that gave up on it, or refused)",
                     version,
                 )
                 return None
@@ -423,13 +424,12 @@ class ShmReceiver(ChunkReceiver):
             # Withdrawn by its sender (it gave up on the version) or removed as stale by a
             # receiver's start: either way this send of the version cannot complete.
             logger.info("shm link: version %d chunk %d is gone (%s)", version, chunk_id, name)
-            self._lost.add(version)
-            while len(self._lost) > self.config.keep_versions:
-                self._lost.discard(min(self._lost))
+            self._lose(version)
             return None
         except ValueError as exc:
             logger.error("shm link: refused version %d chunk %d: %s", version, chunk_id, exc)  # noqa: TRY400 - a bad file, not a bug here
             path.unlink(missing_ok=True)
+            self._lose(version)
             return None
         self._lost.discard(version)  # a send of it after the one withdrawn
         chunk = ReceivedChunk(version, chunk_id, view, lambda: self._free(name, path, mm, view))
@@ -438,6 +438,12 @@ class ShmReceiver(ChunkReceiver):
             return None
         self._held[name] = chunk
         return chunk
+
+    def _lose(self, version: int) -> None:
+        """A chunk of ``version`` will not be delivered: this send of it cannot complete."""
+        self._lost.add(version)
+        while len(self._lost) > self.config.keep_versions:
+            self._lost.discard(min(self._lost))
 
     def _map(
         self, path: Path, size: int, checksum: int

@@ -28,7 +28,9 @@ from deltarl.transport.link_config import ShmLinkConfig
 from deltarl.transport.shm_link import (
     CHUNK_FILE,
     KIND_CHUNK,
+    KIND_MANIFEST,
     NOTICE,
+    VERSION,
     ShmReceiver,
     ShmSender,
     endpoint_of,
@@ -413,6 +415,37 @@ def test_a_withdrawn_send_never_reaches_the_consumer(config: ShmLinkConfig) -> N
             assert again[1].data == b"{again}"
         await receiver.close()
         assert chunk_files(config) == [other.name]  # never another process's
+
+    run(main())
+
+
+def test_the_manifest_of_a_send_with_a_refused_chunk_is_dropped(config: ShmLinkConfig) -> None:
+    """A chunk file that fails its notice's checksum is refused; that send of the version
+    cannot complete, so its manifest must not open the version on the receiver."""
+    directory = config.directory
+
+    async def main() -> None:
+        async with make_receiver(config) as receiver:
+            push = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+            push.connect(endpoint_of(config))
+            (directory / "v4-c0.1-0.bin").write_bytes(b"tampered")
+            (directory / "v4-c8.1-1.bin").write_bytes(b"again")
+            good = xxhash.xxh3_64_intdigest(b"again")
+            for frames in (
+                [KIND_CHUNK, NOTICE.pack(4, 0, 8, good), b"v4-c0.1-0.bin"],
+                [KIND_MANIFEST, VERSION.pack(4), b"{first}"],
+                [KIND_CHUNK, NOTICE.pack(4, 8, 5, good), b"v4-c8.1-1.bin"],
+                [KIND_MANIFEST, VERSION.pack(4), b"{again}"],
+            ):
+                await push.send_multipart(frames)
+            chunk = await anext(receiver)
+            assert isinstance(chunk, ReceivedChunk)
+            assert (chunk.chunk_id, bytes(chunk.data)) == (8, b"again")
+            chunk.release()
+            manifest = await anext(receiver)
+            assert isinstance(manifest, ReceivedManifest)
+            assert manifest.data == b"{again}"  # the first send's was dropped
+            push.close(linger=0)
 
     run(main())
 
