@@ -126,6 +126,12 @@ EXPORT_FAILED = Counter(
     "Export agent: versions whose send or apply failed",
     registry=None,
 )
+EXPORT_WITHDRAWN = Counter(
+    "deltarl_export_withdrawn_chunks",
+    "Export agent: chunks of failed versions taken back from the link before the apply agent "
+    "took them (the shm link's files)",
+    registry=None,
+)
 EXPORT_WIRE_BYTES = Counter(
     "deltarl_export_wire_bytes",
     "Export agent: bytes sent (chunks of every version sent, failed ones included), by kind",
@@ -322,6 +328,7 @@ OWNED: dict[str, tuple[Collector, ...]] = {
         EXPORT_STAGE_SECONDS,
         EXPORT_VERSIONS,
         EXPORT_FAILED,
+        EXPORT_WITHDRAWN,
         EXPORT_WIRE_BYTES,
         CHANGED_RATIO,
         GROUP_CHANGED_RATIO,

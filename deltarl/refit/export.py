@@ -637,6 +637,7 @@ class ExportCore(DaemonCore):
             return
         if taken:
             self.withdrawn += taken
+            metrics.EXPORT_WITHDRAWN.inc(taken)
             logger.info(
                 "version %d: withdrew %d chunks the apply agent had not taken", version, taken
             )

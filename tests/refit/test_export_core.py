@@ -219,6 +219,7 @@ def test_a_version_given_up_on_is_withdrawn_not_applied_after_a_stall(tmp_path: 
     export agent withdrew what the link still held of it, and only 3 is applied."""
 
     async def scenario() -> None:
+        counted = metrics.catalogue().get_sample_value("deltarl_export_withdrawn_chunks_total")
         async with pair(tmp_path, chunk_bytes=64 << 10, ack_timeout_s=1.0) as p:
             await p.active(0)
             await p.active(p.publish())
@@ -235,6 +236,10 @@ def test_a_version_given_up_on_is_withdrawn_not_applied_after_a_stall(tmp_path: 
                 assert (failed.version, failed.kind) == (stale, "delta")
                 assert "no acknowledgement" in failed.outcome
                 assert p.export.withdrawn > 1  # the chunk taken and at least one more
+                served = metrics.catalogue().get_sample_value(
+                    "deltarl_export_withdrawn_chunks_total"
+                )
+                assert served == (counted or 0) + p.export.withdrawn
                 left = [f.name for f in directory.iterdir() if f.name.startswith(f"v{stale}-")]
                 assert left == []
             await p.active(newest)
