@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltarl.codecs import conditioned, kernels
+from deltarl.codecs import conditioned, conditioned_rice, kernels
 from deltarl.codecs.checksum import chunk_checksum, chunk_hash, model_digest, tensor_digests
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
@@ -55,6 +55,13 @@ from deltarl.codecs.frame_checks import check_records, check_versions, read_stre
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.values import decode_values, from_planes
 from deltarl.engine.layout import Layout, dtype_of
+
+# A conditioned record's model (its pos_k) -> the module that decodes it; each has
+# decode_conditioned, work and ERRORS alike.
+CONDITIONED_DECODERS = {
+    conditioned.MODEL_EXPONENT: conditioned,
+    conditioned_rice.MODEL_EXPONENT_RICE: conditioned_rice,
+}
 
 
 class DecodeScratch:
@@ -739,19 +746,21 @@ def _decode_conditioned(
     zval: np.ndarray,
 ) -> None:
     """Decode conditioned records (one width) into their regions of positions / zval,
-    walking the reference's exponents over each record's range: one call per float type."""
+    walking the reference's exponents over each record's range: one call per float type
+    and model (frame_checks has refused a model not in CONDITIONED_DECODERS)."""
     _check_reference(ids[0], "coded against the reference (conditioned)", reference, layout)
     assert reference is not None
     itemsize = rs[0].itemsize
     view = read_only(reference.view(np.dtype(f"<u{itemsize}")))
-    dtypes = [layout.tensors[r.tensor_id].dtype for r in rs]
-    for dtype in sorted(set(dtypes)):
-        sel = [j for j, d in enumerate(dtypes) if d == dtype]
+    kinds = [(layout.tensors[r.tensor_id].dtype, r.pos_k) for r in rs]
+    for dtype, model in sorted(set(kinds)):
+        sel = [j for j, kind in enumerate(kinds) if kind == (dtype, model)]
+        coder = CONDITIONED_DECODERS[model]
         shift, mask = conditioned.exponent_field(dtype)
         errors = np.zeros(len(sel), np.int64)
         lengths = np.array([rs[j].length for j in sel], np.int64)
         changed = np.array([rs[j].changed for j in sel], np.int64)
-        conditioned.decode_conditioned(
+        coder.decode_conditioned(
             view,
             np.array(
                 [layout.tensors[rs[j].tensor_id].offset // itemsize + rs[j].start for j in sel],
@@ -769,11 +778,9 @@ def _decode_conditioned(
             positions,
             zval,
             errors,
-            *kernels.deal(conditioned.work(lengths, changed)),
+            *kernels.deal(coder.work(lengths, changed)),
         )
-        _raise_first(
-            errors, [ids[j] for j in sel], [rs[j] for j in sel], layout, conditioned.ERRORS
-        )
+        _raise_first(errors, [ids[j] for j in sel], [rs[j] for j in sel], layout, coder.ERRORS)
 
 
 def _check_reference(i: int, why: str, reference: np.ndarray | None, layout: Layout) -> None:

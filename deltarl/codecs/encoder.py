@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltarl.codecs import conditioned as cond
-from deltarl.codecs import kernels
+from deltarl.codecs import conditioned_rice, kernels
 from deltarl.codecs.checksum import chunk_hash, model_digest, tensor_digests
 from deltarl.codecs.compression import DEFAULT_LEVEL, PlaneCompressor
 from deltarl.codecs.frame import (
@@ -73,6 +73,29 @@ DEFAULT_DENSE_THRESHOLD = 0.30
 # Items are the unit of parallel work and of a record; 1M elements keeps both cores busy on
 # a large tensor and keeps a record well under the chunk size.
 DEFAULT_ITEM_ELEMS = 1 << 20
+# The conditioned coders by name: (the frame's model id, their module). Both modules have
+# encode_conditioned and work with the same arguments.
+CONDITIONED_CODERS = {
+    "range": (cond.MODEL_EXPONENT, cond),
+    "rice": (conditioned_rice.MODEL_EXPONENT_RICE, conditioned_rice),
+}
+# The export agent's ``delta_coding`` settings: (conditioned, conditioned_coder).
+DELTA_CODINGS = {
+    "rice": (False, "range"),
+    "conditioned": (True, "range"),
+    "conditioned_rice": (True, "rice"),
+}
+
+
+def delta_coding_options(delta_coding: str) -> tuple[bool, str]:
+    """(``conditioned``, ``conditioned_coder``) for a ``delta_coding`` setting."""
+    try:
+        return DELTA_CODINGS[delta_coding]
+    except KeyError:
+        raise ValueError(
+            f"unknown delta_coding {delta_coding!r}; known: {sorted(DELTA_CODINGS)}"
+        ) from None
+
 
 Piece = tuple[int, int, int]
 """Part of a tensor a wave encodes: (tensor id, first element, end element), whole items."""
@@ -113,6 +136,7 @@ class DeltaEncoder:
         item_elems: int = DEFAULT_ITEM_ELEMS,
         hash_chunks: bool = False,
         conditioned: bool = False,
+        conditioned_coder: str = "range",
         value_classes: bool = True,
     ) -> None:
         """``hash_chunks``: list a BLAKE2b-256 hash of each chunk in the manifest (needed to
@@ -121,6 +145,10 @@ class DeltaEncoder:
         and send that where it is smaller (measured: 0.63-0.70x the bytes on simulated AdamW
         deltas, 0.23-0.43x on real GRPO deltas, for a pass over every element of a changed
         range on both sides and a range coder: several times slower).
+        ``conditioned_coder``: how conditioned ranges are coded: ``range``, an adaptive range
+        coder with a model per exponent (conditioned.py, the smallest), or ``rice``, Rice
+        codes with parameters per class of exponents (conditioned_rice.py: more bytes, a
+        few times faster).
         ``value_classes``: Rice code the ordered-delta values of 16- and 32-bit floats with a
         parameter per class of the reference element (its exponent) where that is smaller
         (VAL_CLASSED); receivers older than it refuse such records by their coding's number,
@@ -133,7 +161,13 @@ class DeltaEncoder:
             raise ValueError("deltas are coded against the reference (ordered-delta or xor)")
         if conditioned and value_coding != VAL_ORDERED_DELTA:
             raise ValueError("conditioned coding codes ordered-delta values only")
+        if conditioned_coder not in CONDITIONED_CODERS:
+            raise ValueError(
+                f"conditioned_coder must be one of {sorted(CONDITIONED_CODERS)}, "
+                f"got {conditioned_coder!r}"
+            )
         self.conditioned = conditioned
+        self.conditioned_coder = conditioned_coder
         self.value_classes = value_classes
         self.layout = layout
         self.chunk_bytes = chunk_bytes
@@ -496,7 +530,7 @@ class DeltaEncoder:
                 stream = coded[i]
                 header = RecordHeader(
                     **{**head, "pos_coding": POS_CONDITIONED},
-                    pos_k=cond.MODEL_EXPONENT,
+                    pos_k=CONDITIONED_CODERS[self.conditioned_coder][0],
                     val_k=0,
                     pos_len=len(stream),
                     val_len=0,
@@ -582,7 +616,8 @@ class DeltaEncoder:
             dst = np.empty(int(cap.sum()) + 1, np.uint8)
             sizes = np.zeros(sel.size, np.int64)
             shift, mask = cond.exponent_field(dtype)
-            cond.encode_conditioned(
+            coder = CONDITIONED_CODERS[self.conditioned_coder][1]
+            coder.encode_conditioned(
                 ref.view(np.dtype(f"<u{itemsize}")),
                 starts[sel],
                 lengths[sel],
@@ -596,7 +631,7 @@ class DeltaEncoder:
                 cap_off,
                 cap,
                 sizes,
-                *kernels.deal(cond.work(lengths[sel], counts[sel])),
+                *kernels.deal(coder.work(lengths[sel], counts[sel])),
             )
             for j, i in enumerate(sel):
                 if sizes[j] <= cap[j]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltarl.codecs import kernels
+from deltarl.codecs import conditioned_rice, kernels
 from deltarl.codecs.compression import decompress
 from deltarl.codecs.conditioned import (
     CODED_DTYPES,
@@ -44,6 +44,12 @@ from deltarl.codecs.frame import (
     StreamHeader,
 )
 from deltarl.engine.layout import Layout
+
+# The conditioned models a receiver decodes (a record's pos_k).
+CONDITIONED_MODELS = {
+    **MODELS,
+    conditioned_rice.MODEL_EXPONENT_RICE: "reference exponent, Rice coded",
+}
 
 # Adaptive decisions a changed element of a conditioned record costs at least: the bit
 # lengths of its value and of its gap (conditioned.put_number).
@@ -132,15 +138,26 @@ def check_records(header: FrameHeader, records: list[RecordHeader], layout: Layo
 def _check_conditioned(where: str, r: RecordHeader, dtype: str) -> None:
     """A conditioned record: a known model, a float type it codes, ordered-delta values,
     no value stream, and room in its bytes for the changes it claims."""
-    if r.pos_k not in MODELS or r.val_k or r.val_len:
+    if r.pos_k not in CONDITIONED_MODELS or r.val_k or r.val_len:
         raise FrameError(
-            f"{where}: conditioned record with model {r.pos_k} (known: {sorted(MODELS)}), "
+            f"{where}: conditioned record with model {r.pos_k} "
+            f"(known: {sorted(CONDITIONED_MODELS)}), "
             f"val_k {r.val_k}, val_len {r.val_len} (both must be 0)"
         )
     if dtype not in CODED_DTYPES:
         raise FrameError(f"{where}: a conditioned record cannot code {dtype} elements")
     if r.val_coding != VAL_ORDERED_DELTA:
         raise FrameError(f"{where}: a conditioned record must carry ordered-delta values")
+    if r.pos_k == conditioned_rice.MODEL_EXPONENT_RICE:
+        # Every change costs at least two Rice codes of a bit or more, after the header.
+        room = 8 * r.pos_len - conditioned_rice.HEADER_BITS
+        most = max(room, 0) // conditioned_rice.MIN_BITS_PER_CHANGE
+        if room < 0 or r.changed > most:
+            raise FrameError(
+                f"{where}: {kernels.ERRORS[kernels.EXHAUSTED]} (a conditioned Rice stream of "
+                f"{r.pos_len} bytes codes at most {most} changes; the record claims {r.changed})"
+            )
+        return
     # A range decoder's interval narrows by at least MIN_DECISION_BITS per adaptive
     # decision and by at most 8 bits per byte it reads (32 more for its start).
     most = int((8 * r.pos_len + 32) / (_DECISIONS_PER_CHANGE * MIN_DECISION_BITS))

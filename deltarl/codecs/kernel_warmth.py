@@ -32,7 +32,7 @@ from typing import Any
 
 from numba.core.registry import CPUDispatcher
 
-from deltarl.codecs import conditioned, kernels, warmup
+from deltarl.codecs import conditioned, conditioned_rice, kernels, warmup
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def start_warming(
     """Run ``work`` (the codec's ``warm_up``) in a thread; what it loaded and compiled is
     counted on ``watched`` (every kernel of the codec). Returns at once."""
     work = warmup.warm_up if work is None else work
-    watched = dispatchers([kernels, conditioned]) if watched is None else watched
+    watched = dispatchers([kernels, conditioned, conditioned_rice]) if watched is None else watched
     warmth = KernelWarmth(started=time.monotonic())
     before = _counts(watched)
 

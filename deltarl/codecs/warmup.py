@@ -11,7 +11,7 @@ import numpy as np
 
 from deltarl.codecs import kernels
 from deltarl.codecs.decoder import DecodedChunk, VersionApply, apply_chunk, read_only
-from deltarl.codecs.encoder import DeltaEncoder
+from deltarl.codecs.encoder import CONDITIONED_CODERS, DeltaEncoder
 from deltarl.codecs.frame import VAL_ORDERED_DELTA, VAL_XOR
 from deltarl.engine.layout import Layout
 
@@ -42,18 +42,23 @@ def warm_up() -> None:
     cur_ro = read_only(cur.copy())
     ref_ro = read_only(ref.copy())
     cases = [
-        (VAL_ORDERED_DELTA, cur, False),
-        (VAL_XOR, cur, False),
-        (VAL_ORDERED_DELTA, cur_ro, False),
-        # conditioned records of every float width they code (bf16, f32), from a delta
-        # where they win: a tiny step that moves only the smallest weights
-        (VAL_ORDERED_DELTA, _tiny_step(layout, ref), True),
-        (VAL_ORDERED_DELTA, read_only(_tiny_step(layout, ref)), True),
+        (VAL_ORDERED_DELTA, cur, None),
+        (VAL_XOR, cur, None),
+        (VAL_ORDERED_DELTA, cur_ro, None),
     ]
-    for coding, current, conditioned in cases:
-        encoding = DeltaEncoder(layout, value_coding=coding, conditioned=conditioned).encode(
-            current, ref, target_version=1, base_version=0
-        )
+    # conditioned records of every float width they code (bf16, f32) and of both coders,
+    # from a delta where they win: a tiny step that moves only the smallest weights
+    for coder in CONDITIONED_CODERS:
+        cases.append((VAL_ORDERED_DELTA, _tiny_step(layout, ref), coder))
+        cases.append((VAL_ORDERED_DELTA, read_only(_tiny_step(layout, ref)), coder))
+    for coding, current, coder in cases:
+        conditioned = coder is not None
+        encoding = DeltaEncoder(
+            layout,
+            value_coding=coding,
+            conditioned=conditioned,
+            conditioned_coder=coder or "range",
+        ).encode(current, ref, target_version=1, base_version=0)
         chunks = list(encoding)
         # The apply agent's reference is the store's read-only view of the active buffer.
         kept: list[DecodedChunk] = []
@@ -75,17 +80,16 @@ def warm_up() -> None:
     # The export agent advances its reference as it encodes (from a writable or a read-only
     # current version): the diff kernel with its writes, for every width; with conditioned
     # coding, the scatter that writes after the conditioned streams.
-    for current, conditioned in (
-        (cur, False),
-        (cur_ro, False),
-        (read_only(_tiny_step(layout, ref)), True),
+    for current, coder in (
+        (cur, None),
+        (cur_ro, None),
+        *((read_only(_tiny_step(layout, ref)), coder) for coder in CONDITIONED_CODERS),
     ):
         advanced = ref.copy()
-        list(
-            DeltaEncoder(layout, conditioned=conditioned).encode(
-                current, advanced, target_version=1, base_version=0, advance=True
-            )
+        encoder = DeltaEncoder(
+            layout, conditioned=coder is not None, conditioned_coder=coder or "range"
         )
+        list(encoder.encode(current, advanced, target_version=1, base_version=0, advance=True))
         assert np.array_equal(advanced, current)
     # The delta above has no bitmap records. A bitmap comes from zstd or the frame's bytes
     # (read-only), or from a bytearray frame (writable).
