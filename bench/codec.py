@@ -24,16 +24,20 @@ the result bit for bit against the trainer's version, and reports:
   entropy_conditioned_bytes_per_change (what a coder could reach that conditions on what
   both sides hold: each element's reference exponent and whether it changed in the previous
   delta, with an adaptive coder's cost of learning its model; step 1 has no previous delta);
-- classed_rice_bytes_per_change: the exact size of a coding not built yet, today's Rice
-  coding per class of reference exponent (``entropy.classed_rice_bytes_per_change``: eight
-  classes around each record's median changed exponent), pricing how much of the
-  conditioned gain survives with coding as cheap as today's;
+- classed_rice_bytes_per_change: the exact size of today's Rice coding per class of
+  reference exponent, positions counted in class members (``entropy.
+  classed_rice_bytes_per_change``: eight classes around each record's median changed
+  exponent), the design priced before conditioned_rice below was built (which counts
+  positions per exponent, for a faster walk);
 - conditioned: the same delta coded against the reference's exponents as well
   (``DeltaEncoder(conditioned=True)``, codecs/conditioned.py), each range kept in whichever
   coding is smaller: its wire bytes, bytes per change, ratio to the ordered bound (target at
   most 0.85), encode and apply speed, bit-exactness, measured beside the default coding;
   and walk_gbps, its walk over the reference alone (``codec_walk``: each element's class and
-  that class's countdown, no coding), the floor under both its encode and its apply here.
+  that class's countdown, no coding), the floor under both its encode and its apply here;
+- conditioned_rice: the same, Rice coded with parameters per class of exponents
+  (``conditioned_coder="rice"``, codecs/conditioned_rice.py), timed in the same rounds as
+  ``conditioned``, with the same keys.
 
 ``--peers`` also runs two peer coders on the same deltas (``codec_peers``: a NeMo-style XOR +
 gaps + zstd-1 coder and absolute indices + values), each checked bit for bit, and reports
@@ -205,6 +209,7 @@ def run(
     model_bytes = layout.payload_nbytes
     encoder = DeltaEncoder(layout)
     conditioned_encoder = DeltaEncoder(layout, conditioned=True)
+    conditioned_rice_encoder = DeltaEncoder(layout, conditioned=True, conditioned_coder="rice")
     one_k_encoder = DeltaEncoder(layout, value_classes=False)  # the coding before classes
     result: dict[str, Any] = {"params": count, "memcpy_gbps": 0.0, "steps": []}
     memcpy = []
@@ -213,11 +218,13 @@ def run(
         memcpy.append(memcpy_gbps(layout.nbytes))
 
         # the default coding and the one without classes in the same rounds; the
-        # conditioned coding, ten times slower, in rounds of its own
+        # conditioned codings, several times slower, in rounds of their own
         default, one_k = _measure(
             [encoder, one_k_encoder], layout, ref, cur, step, repeat, two_buffers=True, parts=True
         )
-        (cond,) = _measure([conditioned_encoder], layout, ref, cur, step, repeat)
+        cond, cond_rice = _measure(
+            [conditioned_encoder, conditioned_rice_encoder], layout, ref, cur, step, repeat
+        )
         walk = walker(layout, ref)
         walk()  # compiled (once), untimed
         walk_s = _median_time(walk, repeat)
@@ -229,6 +236,7 @@ def run(
         previous = changed_mask(layout, ref, cur)
         wire = default.wire
         c_wire = cond.wire
+        r_wire = cond_rice.wire
         result["steps"].append(
             {
                 "step": step,
@@ -258,6 +266,16 @@ def run(
                     "bit_exact": cond.bit_exact,
                     # its walk over the reference alone (codec_walk.py): the floor under
                     # both its encode and its apply on this machine
+                    "walk_gbps": model_bytes / walk_s / 1e9,
+                },
+                # the same, Rice coded (conditioned_rice.py), in the same rounds
+                "conditioned_rice": {
+                    "wire_bytes": r_wire,
+                    "bytes_per_change": r_wire / changed if changed else 0.0,
+                    "vs_ordered_bound": r_wire / changed / ordered if changed else 0.0,
+                    "encode_gbps": model_bytes / cond_rice.encode_s / 1e9,
+                    "apply_gbps": model_bytes / cond_rice.apply_s / 1e9,
+                    "bit_exact": cond_rice.bit_exact,
                     "walk_gbps": model_bytes / walk_s / 1e9,
                 },
                 # the default coding with one Rice parameter per record for the values, not
@@ -434,26 +452,29 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
                 two >= app_t,
             ),
         ]
-        c = s["conditioned"]
         cond_t = TARGETS["conditioned_vs_ordered_bound"]
-        c_enc, c_app = c["encode_gbps"] / mem, c["apply_gbps"] / mem
-        floor = f"its walk over the reference alone {c['walk_gbps'] / mem:.2f}x"
-        rows += [
-            (f"{step}: conditioned bit-exact", c["bit_exact"]),
-            (
-                f"{step}: conditioned {c['vs_ordered_bound']:.3f}x the ordered bound "
-                f"(target <= {cond_t})",
-                c["vs_ordered_bound"] <= cond_t,
-            ),
-            (
-                f"{step}: conditioned encode {c_enc:.2f}x memcpy (target >= {enc_t}; {floor})",
-                c_enc >= enc_t,
-            ),
-            (
-                f"{step}: conditioned apply {c_app:.2f}x memcpy (target >= {app_t}; {floor})",
-                c_app >= app_t,
-            ),
-        ]
+        for key, name in (("conditioned", "conditioned"), ("conditioned_rice", "conditioned Rice")):
+            if key not in s:  # a result from before conditioned Rice
+                continue
+            c = s[key]
+            c_enc, c_app = c["encode_gbps"] / mem, c["apply_gbps"] / mem
+            floor = f"its walk over the reference alone {c['walk_gbps'] / mem:.2f}x"
+            rows += [
+                (f"{step}: {name} bit-exact", c["bit_exact"]),
+                (
+                    f"{step}: {name} {c['vs_ordered_bound']:.3f}x the ordered bound "
+                    f"(target <= {cond_t})",
+                    c["vs_ordered_bound"] <= cond_t,
+                ),
+                (
+                    f"{step}: {name} encode {c_enc:.2f}x memcpy (target >= {enc_t}; {floor})",
+                    c_enc >= enc_t,
+                ),
+                (
+                    f"{step}: {name} apply {c_app:.2f}x memcpy (target >= {app_t}; {floor})",
+                    c_app >= app_t,
+                ),
+            ]
     return rows
 
 
@@ -497,8 +518,9 @@ def render(result: dict[str, Any]) -> str:
             f"{'yes' if k['bit_exact'] else 'NO'}"
         )
     lines += [
-        f"  step {s['step']} positions and values Rice coded per exponent class (not built; "
-        "its exact size): "
+        f"  step {s['step']} positions and values Rice coded per exponent class, positions "
+        "counted in class members (the design priced before conditioned Rice was built; its "
+        "exact size): "
         f"{s['classed_rice_bytes_per_change']:.3f} B/change ("
         f"{s['classed_rice_bytes_per_change'] / s['entropy_ordered_bytes_per_change']:.3f}x "
         "the ordered bound)"
@@ -515,6 +537,17 @@ def render(result: dict[str, Any]) -> str:
             f"; its walk over the reference alone {c['walk_gbps']:.2f} GB/s "
             f"({c['walk_gbps'] / mem:.2f}x memcpy)"
         )
+        if "conditioned_rice" in s:
+            r = s["conditioned_rice"]
+            lines.append(
+                f"  step {s['step']} conditioned Rice: {r['bytes_per_change']:.3f} B/change "
+                f"({r['bytes_per_change'] / s['bytes_per_change']:.2f}x the default coding, "
+                f"{r['vs_ordered_bound']:.3f}x the ordered bound), encode "
+                f"{r['encode_gbps']:.2f} GB/s ({r['encode_gbps'] / c['encode_gbps']:.2f}x the "
+                f"range coder's), apply {r['apply_gbps']:.2f} GB/s "
+                f"({r['apply_gbps'] / c['apply_gbps']:.2f}x), bit-exact "
+                f"{'yes' if r['bit_exact'] else 'NO'}"
+            )
     for s in result["steps"]:
         for name, p in s.get("peers", {}).items():
             lines.append(

@@ -45,7 +45,9 @@ speedup over the refits (``speedup_min``: the full transfer over the slowest del
 reference (``delta_coding = "conditioned"``, deltarl/codecs/conditioned.py) and adds
 ``conditioned``: that run's medians (total, encode, transfer, apply, wire bytes) and their
 ratios to this run's, so whether fewer bytes on the wire pay for the slower coding on this
-link is measured side by side.
+link is measured side by side. ``--compare-conditioned-rice`` does the same with
+``delta_coding = "conditioned_rice"`` (deltarl/codecs/conditioned_rice.py) and adds
+``conditioned_rice``, with the same keys.
 
 ``--rate-mbit R`` puts the export agent and the apply agent in two network namespaces joined
 by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
@@ -439,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         "conditioned) and report the difference, side by side",
     )
     ap.add_argument(
+        "--compare-conditioned-rice",
+        action="store_true",
+        help="run again with deltas coded against the reference with Rice codes "
+        "(delta_coding = conditioned_rice) and report the difference, side by side",
+    )
+    ap.add_argument(
         "--cpus",
         choices=("split", "shared"),
         default="split",
@@ -481,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_conditioned:
             coded, _ = run(*same, delta_coding="conditioned", cpus=cpus)
             result["conditioned"] = conditioned_cost(result, coded)
+        if args.compare_conditioned_rice:
+            coded, _ = run(*same, delta_coding="conditioned_rice", cpus=cpus)
+            result["conditioned_rice"] = conditioned_cost(result, coded)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)
         return 2
@@ -494,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(result, diag))
     exact = all(r["bit_exact"] for r in result["refits"])
-    others = (result.get(k, {}).get("bit_exact", True) for k in ("sealed", "copy", "conditioned"))
+    compared = ("sealed", "copy", "conditioned", "conditioned_rice")
+    others = (result.get(k, {}).get("bit_exact", True) for k in compared)
     return 0 if exact and all(others) else 1
 
 

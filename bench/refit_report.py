@@ -119,10 +119,12 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f"speedup {copied['speedup']:.1f}x (slowest {copied['speedup_min']:.1f}x), "
             f"bit-exact: {'yes' if copied['bit_exact'] else 'NO'}"
         )
-    coded = result.get("conditioned")
-    if coded:
+    for key in ("conditioned", "conditioned_rice"):
+        coded = result.get(key)
+        if not coded:
+            continue
         lines.append(
-            f"deltas coded against the reference (delta_coding = 'conditioned'), same machine, "
+            f"deltas coded against the reference (delta_coding = '{key}'), same machine, "
             f"run after: median delta {coded['delta_total_s_median'] * 1e3:.1f} ms "
             f"({coded['delta_ratio']:.2f}x), wire {coded['wire_bytes_ratio']:.2f}x, encode "
             f"{coded['encode_s_ratio']:.2f}x, transfer {coded['transfer_s_ratio']:.2f}x, apply "

@@ -298,10 +298,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument(
         "--delta-coding",
-        choices=("rice", "conditioned"),
+        choices=("rice", "conditioned", "conditioned_rice"),
         default="rice",
         help="how the export agent codes deltas (default rice; conditioned: also against "
-        "the reference's exponents, fewer bytes for more CPU)",
+        "the reference's exponents, fewer bytes for more CPU; conditioned_rice: the same "
+        "with Rice codes, a few more bytes for less CPU)",
     )
     ap.add_argument(
         "--lag-rule",

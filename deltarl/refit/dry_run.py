@@ -29,7 +29,7 @@ import numpy as np
 import orjson
 
 from deltarl.codecs.decoder import VersionApply
-from deltarl.codecs.encoder import DeltaEncoder
+from deltarl.codecs.encoder import DeltaEncoder, delta_coding_options
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.config import ConfigError, load
 from deltarl.config.refit import ExportConfig
@@ -46,16 +46,19 @@ def measure(
     poll_s: float = 0.05,
     *,
     conditioned: bool = False,
+    conditioned_coder: str = "range",
     value_classes: bool = True,
 ) -> list[dict[str, Any]]:
     """The next ``versions`` versions of ``store`` (the first in full), encoded and applied;
     TimeoutError (with the versions measured so far in its args) if they do not come.
-    ``conditioned``: code the deltas as ``delta_coding = "conditioned"`` does;
+    ``conditioned`` and ``conditioned_coder``: code the deltas as a ``delta_coding`` setting
+    does (encoder.delta_coding_options);
     ``value_classes`` as the export agent's setting of that name does."""
     encoder = DeltaEncoder(
         store.layout,
         chunk_bytes=chunk_bytes,
         conditioned=conditioned,
+        conditioned_coder=conditioned_coder,
         value_classes=value_classes,
     )
     full_bytes = store.layout.nbytes
@@ -174,6 +177,7 @@ def main(argv: list[str]) -> int:
         print(f"deltarl export-dry-run: {e}", file=sys.stderr)
         return 2
     code = 0
+    conditioned, coder = delta_coding_options(cfg.delta_coding)
     try:
         rows = measure(
             store,
@@ -181,7 +185,8 @@ def main(argv: list[str]) -> int:
             args.timeout,
             cfg.chunk_bytes,
             cfg.poll_s,
-            conditioned=cfg.delta_coding == "conditioned",
+            conditioned=conditioned,
+            conditioned_coder=coder,
             value_classes=cfg.value_classes,
         )
     except TimeoutError as e:

@@ -67,7 +67,7 @@ import numpy as np
 import orjson
 
 from deltarl.atomic_file import write_atomic
-from deltarl.codecs.encoder import Chunk, DeltaEncoder
+from deltarl.codecs.encoder import Chunk, DeltaEncoder, delta_coding_options
 from deltarl.codecs.frame import CHUNKS_PER_SEND, SEND_SLOTS
 from deltarl.codecs.kernel_warmth import KernelWarmth
 from deltarl.codecs.manifest import RefitManifest
@@ -283,7 +283,6 @@ class ExportCore(DaemonCore):
             self.store.layout,
             chunk_bytes=cfg.chunk_bytes,
             hash_chunks=self.mac_key is not None,
-            conditioned=cfg.delta_coding == "conditioned",
             value_classes=cfg.value_classes,
         )
         while not self.draining:
@@ -477,7 +476,8 @@ class ExportCore(DaemonCore):
         while len(self._sends) > RECENT:
             del self._sends[min(self._sends)]
         # read per version: delta_coding may change by reload (the receivers need nothing)
-        self.encoder.conditioned = self.config.delta_coding == "conditioned"
+        coding = delta_coding_options(self.config.delta_coding)
+        self.encoder.conditioned, self.encoder.conditioned_coder = coding
         self.encoder.value_classes = self.config.value_classes
         encoding = self.encoder.encode(
             source,
