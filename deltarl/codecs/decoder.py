@@ -544,7 +544,7 @@ def _decode_sparse(
     into: np.ndarray | None,
 ) -> list[SparseBatch]:
     """Decode every sparse record's positions and coded values: the conditioned records (one
-    kernel call per float type), then the rest (one call per width).
+    kernel call per float type and model), then the rest (one call per width).
 
     With ``into``, the second pass also writes its records into ``into`` (reading
     ``reference``): it comes after every other check of the chunk, and when it refuses a

@@ -147,8 +147,9 @@ class DeltaEncoder:
         range on both sides and a range coder: several times slower).
         ``conditioned_coder``: how conditioned ranges are coded: ``range``, an adaptive range
         coder with a model per exponent (conditioned.py, the smallest), or ``rice``, Rice
-        codes with parameters per class of exponents (conditioned_rice.py: more bytes, a
-        few times faster).
+        codes with parameters per class of exponents (conditioned_rice.py: on simulated
+        AdamW deltas 0.80x the default's bytes against the range coder's 0.68-0.73x,
+        encoding 1.4-1.5x and decoding 1.7-2x as fast as it).
         ``value_classes``: Rice code the ordered-delta values of 16- and 32-bit floats with a
         parameter per class of the reference element (its exponent) where that is smaller
         (VAL_CLASSED); receivers older than it refuse such records by their coding's number,

@@ -82,10 +82,11 @@ class ExportConfig(DaemonTable):
     (each record names its coding), but must run a deltarl that reads it: an older one
     refuses the version (unknown position coding 4). ``conditioned_rice``: the same split by
     the reference's exponents, coded with Rice codes instead of the range coder
-    (deltarl/codecs/conditioned_rice.py): on simulated AdamW deltas about 0.80x the bytes of
-    ``rice`` against ``conditioned``'s 0.70-0.78x, encoding and applying about twice as fast
-    as ``conditioned``. An apply agent older than it refuses the version (unknown
-    conditioned model 2)."""
+    (deltarl/codecs/conditioned_rice.py): on simulated AdamW deltas 0.80x the bytes of
+    ``rice`` against ``conditioned``'s 0.68-0.73x, the export agent's encode 1.4-1.5x and
+    the apply 1.7-2x as fast as ``conditioned``'s (still several times slower than
+    ``rice``: both sides walk the reference). An apply agent older than it refuses the
+    version (unknown conditioned model 2)."""
     value_classes: bool = True
     """Rice code the changed values of bf16, fp16 and fp32 ranges with a parameter per
     exponent of the reference element where that is smaller (docs/architecture.md, "Values

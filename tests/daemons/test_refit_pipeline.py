@@ -118,11 +118,13 @@ def test_versions_flow_bit_exact(pipeline: Pipeline) -> None:
     assert codes == {"apply": 0, "export": 0, "trainer": 0}, pipeline.logs()
 
 
-def test_conditioned_deltas_flow_bit_exact(tmp_path: Path) -> None:
-    """``delta_coding = "conditioned"``: the same daemons, deltas coded against the reference
-    (the apply agent needs no setting); conditioned records really go over the link."""
+@pytest.mark.parametrize("coding", ["conditioned", "conditioned_rice"])
+def test_conditioned_deltas_flow_bit_exact(tmp_path: Path, coding: str) -> None:
+    """``delta_coding = "conditioned"`` or ``"conditioned_rice"``: the same daemons, deltas
+    coded against the reference (the apply agent needs no setting); conditioned records
+    really go over the link."""
     tables = refit_tables(tmp_path, export_link=shm_link(tmp_path))
-    tables["daemons"]["export"]["delta_coding"] = "conditioned"
+    tables["daemons"]["export"]["delta_coding"] = coding
     pipe = Pipeline(tmp_path, tables)
     try:
         for daemon in ("apply", "export", "trainer"):
@@ -135,6 +137,7 @@ def test_conditioned_deltas_flow_bit_exact(tmp_path: Path) -> None:
             assert deltas, ms.history()
             codings = {t.coding for r in deltas for t in r.manifest.tensors}
         assert "conditioned" in codings, codings
+        assert pipe.status("export")["delta_coding"] == coding
         assert pipe.stop_all() == {"apply": 0, "export": 0, "trainer": 0}, pipe.logs()
     finally:
         pipe.kill_all()
