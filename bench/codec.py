@@ -235,8 +235,6 @@ def run(
         _, classed = classed_rice_bytes_per_change(layout, ref, cur)
         previous = changed_mask(layout, ref, cur)
         wire = default.wire
-        c_wire = cond.wire
-        r_wire = cond_rice.wire
         result["steps"].append(
             {
                 "step": step,
@@ -257,27 +255,9 @@ def run(
                 "bit_exact": default.bit_exact,
                 # the same delta coded against the reference's exponents (conditioned.py),
                 # measured beside the default coding in the same run
-                "conditioned": {
-                    "wire_bytes": c_wire,
-                    "bytes_per_change": c_wire / changed if changed else 0.0,
-                    "vs_ordered_bound": c_wire / changed / ordered if changed else 0.0,
-                    "encode_gbps": model_bytes / cond.encode_s / 1e9,
-                    "apply_gbps": model_bytes / cond.apply_s / 1e9,
-                    "bit_exact": cond.bit_exact,
-                    # its walk over the reference alone (codec_walk.py): the floor under
-                    # both its encode and its apply on this machine
-                    "walk_gbps": model_bytes / walk_s / 1e9,
-                },
+                "conditioned": _conditioned(cond, changed, ordered, model_bytes, walk_s),
                 # the same, Rice coded (conditioned_rice.py), in the same rounds
-                "conditioned_rice": {
-                    "wire_bytes": r_wire,
-                    "bytes_per_change": r_wire / changed if changed else 0.0,
-                    "vs_ordered_bound": r_wire / changed / ordered if changed else 0.0,
-                    "encode_gbps": model_bytes / cond_rice.encode_s / 1e9,
-                    "apply_gbps": model_bytes / cond_rice.apply_s / 1e9,
-                    "bit_exact": cond_rice.bit_exact,
-                    "walk_gbps": model_bytes / walk_s / 1e9,
-                },
+                "conditioned_rice": _conditioned(cond_rice, changed, ordered, model_bytes, walk_s),
                 # the default coding with one Rice parameter per record for the values, not
                 # one per class of the reference element (value_classes=False), same run
                 "one_value_parameter": {
@@ -297,6 +277,23 @@ def run(
             result["steps"][-1]["layers"] = layer_changes(layout, ref, cur)
     result["memcpy_gbps"] = statistics.median(memcpy)
     return result
+
+
+def _conditioned(
+    m: _Measured, changed: int, ordered: float, model_bytes: int, walk_s: float
+) -> dict[str, Any]:
+    """One conditioned coding's figures for a step's JSON."""
+    return {
+        "wire_bytes": m.wire,
+        "bytes_per_change": m.wire / changed if changed else 0.0,
+        "vs_ordered_bound": m.wire / changed / ordered if changed else 0.0,
+        "encode_gbps": model_bytes / m.encode_s / 1e9,
+        "apply_gbps": model_bytes / m.apply_s / 1e9,
+        "bit_exact": m.bit_exact,
+        # the walk over the reference alone (codec_walk.py): the floor under both its
+        # encode and its apply on this machine
+        "walk_gbps": model_bytes / walk_s / 1e9,
+    }
 
 
 @dataclass

@@ -14,12 +14,10 @@ from deltarl.codecs.decoder import (
     ChecksumMismatchError,
     VersionApply,
     decode_chunk,
-    verify_tensors,
 )
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import (
     COMP_ZSTD,
-    HEADER_SIZE,
     POS_CONDITIONED,
     POS_RICE,
     STREAM_CONDITIONED,
@@ -29,8 +27,12 @@ from deltarl.codecs.frame import (
 )
 from deltarl.codecs.values import encode_values
 from deltarl.engine.layout import Layout
-from tests.codecs.forge import Forged, reseal
-from tests.codecs.mutate import Mutator, bounded_memory
+from tests.codecs.conditioned_faults import (
+    assert_flipped_bytes_never_verify,
+    assert_fuzzed_frames_applied_or_refused,
+    assert_refused_unwritten,
+)
+from tests.codecs.forge import Forged
 
 ITEM = 4096
 
@@ -357,77 +359,16 @@ def _forge(edit: str) -> bytes:
     ],
 )
 def test_lies_are_refused_before_anything_is_written(edit: str, match: str) -> None:
-    frame = _forge(edit)
-    ref = _versions()[0]
-    for in_place in (False, True):
-        reference = ref.copy()
-        target = reference if in_place else reference.copy()
-        apply = VersionApply(LAYOUT, target, reference, base=0, version=1)
-        with pytest.raises(FrameError, match=match):
-            apply.apply(frame)
-        assert np.array_equal(target, ref)
-        assert np.array_equal(reference, ref)
+    assert_refused_unwritten(LAYOUT, _forge(edit), _versions()[0], match)
 
 
 def test_corrupted_stream_bytes_never_verify() -> None:
-    """Bytes of a conditioned stream, flipped in turn (with a valid checksum): the frame is
-    refused, or it decodes to something the tensor checksums refuse, or to the exact
-    weights."""
     chunk, manifest = _delta()
-    ref = _versions()[0]
-    f0 = Forged.parse(chunk)
-    i = f0.first(POS_CONDITIONED, 2)
-    at, n = f0.part(i, STREAM_CONDITIONED)
-    refused = 0
-    for off in range(0, n, max(1, n // 97)):
-        f = Forged.parse(chunk)
-        s = f.stream(STREAM_CONDITIONED)
-        s.raw = s.raw[: at + off] + bytes([s.raw[at + off] ^ 0x5A]) + s.raw[at + off + 1 :]
-        target = ref.copy()
-        apply = VersionApply(LAYOUT, target, ref, base=0, version=1)
-        try:
-            apply.apply(f.seal())
-        except FrameError:
-            refused += 1
-            assert np.array_equal(target, ref)
-            continue
-        # The resealed chunk's own checksum is not the manifest's (verify refuses that too);
-        # the point here is that wrong weights never hash like the real version. A flip in
-        # the coder's last bytes may decode to the same weights: harmless, and exact.
-        if np.array_equal(target, _versions()[1]):
-            continue
-        with pytest.raises(ChecksumMismatchError):
-            verify_tensors(LAYOUT, target, manifest)  # type: ignore[arg-type]
-    assert refused > 0
+    v = _versions()
+    assert_flipped_bytes_never_verify(LAYOUT, chunk, manifest, v[0], v[1])  # type: ignore[arg-type]
 
 
 def test_fuzzed_conditioned_frames_are_applied_or_refused_cleanly() -> None:
-    """Seeded mutants of a chunk with conditioned records (most resealed, so they pass the
-    checksum): each is applied or refused with a FrameError that wrote nothing, in bounded
-    memory; a mutant's seed and index reproduce it (mutate.py)."""
     chunk, _ = _delta()
     rice, _ = _encode(_versions()[0], _versions()[1], conditioned=False)
-    mutate = Mutator(11, [chunk, *rice])
-    ref = _versions()[0]
-    reference, target = ref.copy(), ref.copy()
-    accepted = refused = 0
-    with bounded_memory():
-        for i in range(20_000):
-            data = mutate()
-            if len(data) >= HEADER_SIZE and mutate.rng.random() < 0.9:
-                data = reseal(data)
-            into = reference if i % 8 == 0 else target  # in place, as a relay applies
-            apply = VersionApply(LAYOUT, into, reference, base=0, version=1)
-            try:
-                apply.apply(data)
-            except FrameError:
-                refused += 1
-                assert np.array_equal(into, ref), f"mutant {i}: refused, yet written"
-            except BaseException as exc:
-                exc.add_note(f"mutant {i} of {len(data)} bytes: {data[:256].hex()}")
-                raise
-            else:
-                accepted += 1
-                np.copyto(into, ref)
-    assert refused > 10_000
-    assert accepted > 0
+    assert_fuzzed_frames_applied_or_refused(LAYOUT, 11, [chunk, *rice], _versions()[0], 20_000)
