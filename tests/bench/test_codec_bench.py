@@ -23,6 +23,7 @@ STEP_KEYS = {
     "classed_rice_bytes_per_change": float,
     "bit_exact": bool,
     "conditioned": dict,
+    "conditioned_rice": dict,
     "one_value_parameter": dict,
 }
 ONE_PARAMETER_KEYS = {
@@ -88,19 +89,21 @@ def test_bench_codec_json_shape_and_bit_exactness():
         # sides hold costs less again (on AdamW deltas; not a law for every delta).
         assert 0 < s["entropy_ordered_bytes_per_change"] < s["entropy_bytes_per_change"]
         assert 0 < s["entropy_conditioned_bytes_per_change"] < s["entropy_ordered_bytes_per_change"]
-        c = s["conditioned"]
-        assert set(c) == set(CONDITIONED_KEYS)
-        for key, kind in CONDITIONED_KEYS.items():
-            assert isinstance(c[key], kind), (key, c[key])
-        # coded against the reference it is bit-exact too; a range keeps it only where it is
-        # smaller, so the wire grows by a stream-table entry (24 B a chunk) at worst. (On
-        # tensors this small the model's learning cost eats the gain; test_conditioned.py
-        # and the benchmark at full size measure the gain.)
-        assert c["bit_exact"] is True
-        assert 0 < c["walk_gbps"] < math.inf  # its floor, timed: a real, finite rate
-        assert 0 < c["wire_bytes"] <= s["wire_bytes"] + 24
-        ordered = s["entropy_ordered_bytes_per_change"]
-        assert c["vs_ordered_bound"] == c["bytes_per_change"] / ordered
+        # both conditioned codings (the range coder and Rice, conditioned_rice.py)
+        for c in (s["conditioned"], s["conditioned_rice"]):
+            assert set(c) == set(CONDITIONED_KEYS)
+            for key, kind in CONDITIONED_KEYS.items():
+                assert isinstance(c[key], kind), (key, c[key])
+            # coded against the reference it is bit-exact too; a range keeps it only where it
+            # is smaller, so the wire grows by a stream-table entry (24 B a chunk) at worst.
+            # (On tensors this small the coding's own overhead eats the gain;
+            # test_conditioned*.py and the benchmark at full size measure the gain.)
+            assert c["bit_exact"] is True
+            assert 0 < c["walk_gbps"] < math.inf  # its floor, timed: a real, finite rate
+            assert 0 < c["wire_bytes"] <= s["wire_bytes"] + 24
+            ordered = s["entropy_ordered_bytes_per_change"]
+            assert c["vs_ordered_bound"] == c["bytes_per_change"] / ordered
+        assert s["conditioned_rice"]["walk_gbps"] == s["conditioned"]["walk_gbps"]
         # one Rice parameter per record's values: bit-exact, and the default coding (a
         # parameter per class where smaller) never larger than it
         k = s["one_value_parameter"]
@@ -138,6 +141,8 @@ def test_bench_codec_table_names_the_targets():
     assert "apply without its decode, each part alone: writes" in out.stdout
     assert "its writes and verify alone" in out.stdout  # the apply target's ceiling here
     assert "its walk over the reference alone" in out.stdout  # the conditioned coding's
+    assert "conditioned Rice: " in out.stdout
+    assert "conditioned Rice bit-exact" in out.stdout  # and its verdicts
     # its kernels' threads sleep between kernels as the agents' do: the policy was set before
     # torch (the simulation) loaded the OpenMP runtime they share (deltarl/ops/kernel_threads.py)
     assert "loaded already" not in out.stderr, out.stderr
