@@ -86,7 +86,7 @@ class ExportConfig(DaemonTable):
     ``rice`` against ``conditioned``'s 0.68-0.73x, the export agent's encode 1.4-1.5x and
     the apply 1.7-2x as fast as ``conditioned``'s (still several times slower than
     ``rice``: both sides walk the reference). An apply agent older than it refuses the
-    version (unknown conditioned model 2)."""
+    version ("conditioned record with model 2")."""
     value_classes: bool = True
     """Rice code the changed values of bf16, fp16 and fp32 ranges with a parameter per
     exponent of the reference element where that is smaller (docs/architecture.md, "Values
