@@ -282,7 +282,6 @@ def get_number(src, end, st, tree, tree_at, mant, mant_at):
 # -- the conditioned coding -----------------------------------------------------------
 
 MODEL_EXPONENT = 1  # the frame's model id (a record's pos_k): classes = reference exponent
-MODELS = {MODEL_EXPONENT: "reference exponent"}
 
 # Where the exponent sits in each float type's bit pattern: (shift, mask).
 EXPONENT = {

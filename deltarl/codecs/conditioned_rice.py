@@ -178,6 +178,12 @@ def _get_rice(src, end, p, k):
 
 
 @njit(cache=True)
+def _class(x, low):
+    """The parameter class of exponent ``x``, ``low`` being the pivot less CLASSES // 2."""
+    return min(max(x - low, 0), CLASSES - 1)
+
+
+@njit(cache=True)
 def _rice_cost(x, k):
     q = x >> k
     return q + 1 + k if q < ESCAPE_Q else ESCAPE_Q + ESCAPE_BITS
@@ -221,17 +227,7 @@ def _put_count(dst, end, st, x):
 def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
     """Code one item's c changes (positions pos[o:o+c] relative to s, coded values zval);
     return the stream's end offset (past ``end``: it did not fit, nothing past end written)."""
-    # 1) the pivot: the lower median of the changed elements' exponents
-    hist = np.zeros(EXPONENTS, np.int64)
-    for j in range(c):
-        hist[(np.int64(ref[s + np.int64(pos[o + j])]) >> shift) & mask] += 1
-    pivot = 0
-    seen = hist[0]
-    while 2 * seen < c:
-        pivot += 1
-        seen += hist[pivot]
-    low = pivot - CLASSES // 2
-    # 2) each change's exponent and rank among the elements of its exponent
+    # 1) each change's exponent and rank among the elements of its exponent
     count = np.zeros(EXPONENTS, np.int64)
     ex = np.empty(c, np.int64)
     rank = np.empty(c, np.int64)
@@ -245,6 +241,16 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
             j += 1
             nxt = np.int64(pos[o + j]) if j < c else n
         count[x] += 1
+    # 2) the pivot: the lower median of the changed elements' exponents
+    hist = np.zeros(EXPONENTS, np.int64)
+    for j in range(c):
+        hist[ex[j]] += 1
+    pivot = 0
+    seen = hist[0]
+    while 2 * seen < c:
+        pivot += 1
+        seen += hist[pivot]
+    low = pivot - CLASSES // 2
     # 3) gaps (members of its exponent skipped before each change), and the changes of
     # each parameter class, for choosing its parameters
     last = np.full(EXPONENTS, -1, np.int64)
@@ -255,7 +261,7 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
         x = ex[j]
         gap[j] = rank[j] - last[x] - 1
         last[x] = rank[j]
-        cls[j] = min(max(x - low, 0), CLASSES - 1)
+        cls[j] = _class(x, low)
         in_class[cls[j] + 1] += 1
     for k in range(CLASSES):
         in_class[k + 1] += in_class[k]
@@ -306,7 +312,7 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
     for x in range(lo, hi + 1):
         st = _put_count(dst, end, st, changes[x])
         if changes[x]:
-            st = _put_rice(dst, end, st, gap[later[x]], kg[min(max(x - low, 0), CLASSES - 1)])
+            st = _put_rice(dst, end, st, gap[later[x]], kg[_class(x, low)])
     for j in range(c):
         k = cls[j]
         st = _put_rice(dst, end, st, values[j], kv[k])
@@ -404,7 +410,7 @@ def _decode_record(ref, b, n, src, r0, end, c, o, shift, mask, vmax, positions, 
             return OUT_OF_RANGE
         if m:
             total += m
-            st, g = _get_rice(src, end, st, kg[min(max(x - low, 0), CLASSES - 1)])
+            st, g = _get_rice(src, end, st, kg[_class(x, low)])
             left[x] = g
             rest[x] = m - 1
     if total != c:
@@ -414,7 +420,7 @@ def _decode_record(ref, b, n, src, r0, end, c, o, shift, mask, vmax, positions, 
         x = (np.int64(ref[b + e]) >> shift) & mask
         g = left[x]
         if g == 0:
-            k = min(max(x - low, 0), CLASSES - 1)
+            k = _class(x, low)
             st, v = _get_rice(src, end, st, kv[k])
             if v >= vmax:
                 return BAD_VALUE

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltarl.codecs import conditioned, conditioned_rice, kernels
+from deltarl.codecs import conditioned, kernels
 from deltarl.codecs.checksum import chunk_checksum, chunk_hash, model_digest, tensor_digests
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
@@ -51,17 +51,15 @@ from deltarl.codecs.frame import (
     StreamHeader,
     value_arithmetic,
 )
-from deltarl.codecs.frame_checks import check_records, check_versions, read_streams
+from deltarl.codecs.frame_checks import (
+    CONDITIONED_MODELS,
+    check_records,
+    check_versions,
+    read_streams,
+)
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.values import decode_values, from_planes
 from deltarl.engine.layout import Layout, dtype_of
-
-# A conditioned record's model (its pos_k) -> the module that decodes it; each has
-# decode_conditioned, work and ERRORS alike.
-CONDITIONED_DECODERS = {
-    conditioned.MODEL_EXPONENT: conditioned,
-    conditioned_rice.MODEL_EXPONENT_RICE: conditioned_rice,
-}
 
 
 class DecodeScratch:
@@ -747,7 +745,7 @@ def _decode_conditioned(
 ) -> None:
     """Decode conditioned records (one width) into their regions of positions / zval,
     walking the reference's exponents over each record's range: one call per float type
-    and model (frame_checks has refused a model not in CONDITIONED_DECODERS)."""
+    and model (frame_checks has refused a model not in CONDITIONED_MODELS)."""
     _check_reference(ids[0], "coded against the reference (conditioned)", reference, layout)
     assert reference is not None
     itemsize = rs[0].itemsize
@@ -755,7 +753,7 @@ def _decode_conditioned(
     kinds = [(layout.tensors[r.tensor_id].dtype, r.pos_k) for r in rs]
     for dtype, model in sorted(set(kinds)):
         sel = [j for j, kind in enumerate(kinds) if kind == (dtype, model)]
-        coder = CONDITIONED_DECODERS[model]
+        coder = CONDITIONED_MODELS[model]
         shift, mask = conditioned.exponent_field(dtype)
         errors = np.zeros(len(sel), np.int64)
         lengths = np.array([rs[j].length for j in sel], np.int64)

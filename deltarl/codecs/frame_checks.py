@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltarl.codecs import conditioned_rice, kernels
+from deltarl.codecs import conditioned, conditioned_rice, kernels
 from deltarl.codecs.compression import decompress
 from deltarl.codecs.conditioned import (
     CODED_DTYPES,
     MIN_DECISION_BITS,
     MIN_DECISIONS_PER_NUMBER,
-    MODELS,
     OVERHEAD_BYTES,
 )
 from deltarl.codecs.frame import (
@@ -45,10 +44,11 @@ from deltarl.codecs.frame import (
 )
 from deltarl.engine.layout import Layout
 
-# The conditioned models a receiver decodes (a record's pos_k).
+# The conditioned models a receiver decodes: a record's pos_k -> the module that decodes it
+# (each has decode_conditioned, work and ERRORS alike; the decoder dispatches on this).
 CONDITIONED_MODELS = {
-    **MODELS,
-    conditioned_rice.MODEL_EXPONENT_RICE: "reference exponent, Rice coded",
+    conditioned.MODEL_EXPONENT: conditioned,
+    conditioned_rice.MODEL_EXPONENT_RICE: conditioned_rice,
 }
 
 # Adaptive decisions a changed element of a conditioned record costs at least: the bit
