@@ -37,7 +37,10 @@ the result bit for bit against the trainer's version, and reports:
   that class's countdown, no coding), the floor under both its encode and its apply here;
 - conditioned_rice: the same, Rice coded with parameters per class of exponents
   (``conditioned_coder="rice"``, codecs/conditioned_rice.py), timed in the same rounds as
-  ``conditioned``, with the same keys.
+  ``conditioned``, with the same keys;
+- conditioned_huffman: the same with each exponent's values coded by a Rice code or a
+  Huffman code of its own (``conditioned_coder="huffman"``, model 3, codecs/
+  conditioned_huffman.py), timed in the same rounds, with the same keys.
 
 ``--peers`` also runs two peer coders on the same deltas (``codec_peers``: a NeMo-style XOR +
 gaps + zstd-1 coder and absolute indices + values), each checked bit for bit, and reports
@@ -210,6 +213,9 @@ def run(
     encoder = DeltaEncoder(layout)
     conditioned_encoder = DeltaEncoder(layout, conditioned=True)
     conditioned_rice_encoder = DeltaEncoder(layout, conditioned=True, conditioned_coder="rice")
+    conditioned_huffman_encoder = DeltaEncoder(
+        layout, conditioned=True, conditioned_coder="huffman"
+    )
     one_k_encoder = DeltaEncoder(layout, value_classes=False)  # the coding before classes
     result: dict[str, Any] = {"params": count, "memcpy_gbps": 0.0, "steps": []}
     memcpy = []
@@ -222,8 +228,13 @@ def run(
         default, one_k = _measure(
             [encoder, one_k_encoder], layout, ref, cur, step, repeat, two_buffers=True, parts=True
         )
-        cond, cond_rice = _measure(
-            [conditioned_encoder, conditioned_rice_encoder], layout, ref, cur, step, repeat
+        cond, cond_rice, cond_huffman = _measure(
+            [conditioned_encoder, conditioned_rice_encoder, conditioned_huffman_encoder],
+            layout,
+            ref,
+            cur,
+            step,
+            repeat,
         )
         walk = walker(layout, ref)
         walk()  # compiled (once), untimed
@@ -258,6 +269,10 @@ def run(
                 "conditioned": _conditioned(cond, changed, ordered, model_bytes, walk_s),
                 # the same, Rice coded (conditioned_rice.py), in the same rounds
                 "conditioned_rice": _conditioned(cond_rice, changed, ordered, model_bytes, walk_s),
+                # the same, values by a code per exponent (model 3), in the same rounds
+                "conditioned_huffman": _conditioned(
+                    cond_huffman, changed, ordered, model_bytes, walk_s
+                ),
                 # the default coding with one Rice parameter per record for the values, not
                 # one per class of the reference element (value_classes=False), same run
                 "one_value_parameter": {
@@ -450,8 +465,12 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
             ),
         ]
         cond_t = TARGETS["conditioned_vs_ordered_bound"]
-        for key, name in (("conditioned", "conditioned"), ("conditioned_rice", "conditioned Rice")):
-            if key not in s:  # a result from before conditioned Rice
+        for key, name in (
+            ("conditioned", "conditioned"),
+            ("conditioned_rice", "conditioned Rice"),
+            ("conditioned_huffman", "conditioned Huffman"),
+        ):
+            if key not in s:  # a result from before that coding
                 continue
             c = s[key]
             c_enc, c_app = c["encode_gbps"] / mem, c["apply_gbps"] / mem
@@ -534,10 +553,15 @@ def render(result: dict[str, Any]) -> str:
             f"; its walk over the reference alone {c['walk_gbps']:.2f} GB/s "
             f"({c['walk_gbps'] / mem:.2f}x memcpy)"
         )
-        if "conditioned_rice" in s:
-            r = s["conditioned_rice"]
+        for key, name in (
+            ("conditioned_rice", "conditioned Rice"),
+            ("conditioned_huffman", "conditioned Huffman"),
+        ):
+            if key not in s:
+                continue
+            r = s[key]
             lines.append(
-                f"  step {s['step']} conditioned Rice: {r['bytes_per_change']:.3f} B/change "
+                f"  step {s['step']} {name}: {r['bytes_per_change']:.3f} B/change "
                 f"({r['bytes_per_change'] / s['bytes_per_change']:.2f}x the default coding, "
                 f"{r['vs_ordered_bound']:.3f}x the ordered bound), encode "
                 f"{r['encode_gbps']:.2f} GB/s ({r['encode_gbps'] / c['encode_gbps']:.2f}x the "

@@ -47,7 +47,9 @@ reference (``delta_coding = "conditioned"``, deltarl/codecs/conditioned.py) and 
 ratios to this run's, so whether fewer bytes on the wire pay for the slower coding on this
 link is measured side by side. ``--compare-conditioned-rice`` does the same with
 ``delta_coding = "conditioned_rice"`` (deltarl/codecs/conditioned_rice.py) and adds
-``conditioned_rice``, with the same keys.
+``conditioned_rice``, with the same keys; ``--compare-conditioned-huffman`` with
+``delta_coding = "conditioned_huffman"`` (deltarl/codecs/conditioned_huffman.py) adds
+``conditioned_huffman``.
 
 ``--rate-mbit R`` puts the export agent and the apply agent in two network namespaces joined
 by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
@@ -447,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         "(delta_coding = conditioned_rice) and report the difference, side by side",
     )
     ap.add_argument(
+        "--compare-conditioned-huffman",
+        action="store_true",
+        help="run again with deltas coded against the reference with a value code per "
+        "exponent (delta_coding = conditioned_huffman) and report the difference, side by side",
+    )
+    ap.add_argument(
         "--cpus",
         choices=("split", "shared"),
         default="split",
@@ -492,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_conditioned_rice:
             coded, _ = run(*same, delta_coding="conditioned_rice", cpus=cpus)
             result["conditioned_rice"] = conditioned_cost(result, coded)
+        if args.compare_conditioned_huffman:
+            coded, _ = run(*same, delta_coding="conditioned_huffman", cpus=cpus)
+            result["conditioned_huffman"] = conditioned_cost(result, coded)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)
         return 2
@@ -505,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(result, diag))
     exact = all(r["bit_exact"] for r in result["refits"])
-    compared = ("sealed", "copy", "conditioned", "conditioned_rice")
+    compared = ("sealed", "copy", "conditioned", "conditioned_rice", "conditioned_huffman")
     others = (result.get(k, {}).get("bit_exact", True) for k in compared)
     return 0 if exact and all(others) else 1
 

@@ -119,7 +119,7 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f"speedup {copied['speedup']:.1f}x (slowest {copied['speedup_min']:.1f}x), "
             f"bit-exact: {'yes' if copied['bit_exact'] else 'NO'}"
         )
-    for key in ("conditioned", "conditioned_rice"):
+    for key in ("conditioned", "conditioned_rice", "conditioned_huffman"):
         coded = result.get(key)
         if not coded:
             continue

@@ -298,11 +298,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument(
         "--delta-coding",
-        choices=("rice", "conditioned", "conditioned_rice"),
+        choices=("rice", "conditioned", "conditioned_rice", "conditioned_huffman"),
         default="rice",
         help="how the export agent codes deltas (default rice; conditioned: also against "
         "the reference's exponents, fewer bytes for more CPU; conditioned_rice: the same "
-        "with Rice codes, a few more bytes for less CPU)",
+        "with Rice codes, a few more bytes for less CPU; conditioned_huffman: values by a "
+        "code per exponent, about conditioned's bytes for conditioned_rice's CPU)",
     )
     ap.add_argument(
         "--lag-rule",

@@ -1,5 +1,5 @@
 """Coding a sparse record conditioned on the reference, with Rice codes (POS_CONDITIONED,
-model 2).
+model 2), and model 3's kernels (conditioned_huffman.py describes that model and its stream).
 
 The same idea as conditioned.py (whether an element changes depends on the exponent of the
 reference element both sides hold, so positions are coded per exponent, in members of that
@@ -34,7 +34,9 @@ counts must add up to the record's changed count (so at most that many are writt
 bits read must stay within the record's bytes and use them all.
 
 It has its own module, not a place in conditioned.py or kernels.py, because numba's cache
-keys a kernel by its own file: a change here recompiles only these kernels.
+keys a kernel by its own file: a change here recompiles only these kernels. Model 3's kernels
+are here too, for the same reason: they share this bit stream and the encoder's walk, and a
+kernel in another file calling these helpers would keep stale machine code when they change.
 """
 
 from __future__ import annotations
@@ -60,16 +62,33 @@ MIN_BITS_PER_CHANGE = 2
 # threads (kernels.deal): two Rice codes against an exponent lookup and a countdown; rough.
 CHANGE_COST_ELEMS = 6
 
+# Model 3 (values coded per exponent, by a Rice code or a Huffman code over a window):
+MODEL_EXPONENT_HUFFMAN = 3
+HEADER_BITS_HUFFMAN = 8 + CLASSES * PARAM_BITS
+# A change of an inverted exponent costs no position bits, its value a bit at least.
+MIN_BITS_PER_CHANGE_HUFFMAN = 1
+KIND_RICE = 0  # an exponent's value code: Rice, its parameter in PARAM_BITS
+KIND_HUFFMAN = 1  # or Huffman over WINDOW values from a base, and an escape
+WINDOW = 16
+ESCAPE = WINDOW  # the symbol after which a value outside the window follows (_put_count)
+SYMBOLS = WINDOW + 1
+LENGTH_BITS = 4  # a symbol's code length in the table (0: not used)
+LENGTH_MAX = 11  # codes are at most this long, so a table lookup decodes one
+SAMPLE = 64  # an exponent's first values the encoder places its window by
+
 OK = 0
 EXHAUSTED = 1
 OUT_OF_RANGE = 2
 TRAILING = 3
 BAD_VALUE = 5
+BAD_TABLE = 6
 ERRORS = {
     EXHAUSTED: "the conditioned Rice stream ends before all changed elements were decoded",
     OUT_OF_RANGE: "the conditioned Rice stream codes more or fewer changes than the record claims",
     TRAILING: "the conditioned Rice stream has bytes left over after the last element",
     BAD_VALUE: "a decoded value does not fit the element width",
+    BAD_TABLE: "a value code table of the conditioned stream is not a prefix code, "
+    "or the stream holds a code it lacks",
 }
 _NONE = np.int64(1) << 61  # a countdown that never reaches zero within a range
 
@@ -224,10 +243,9 @@ def _put_count(dst, end, st, x):
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
-def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
-    """Code one item's c changes (positions pos[o:o+c] relative to s, coded values zval);
-    return the stream's end offset (past ``end``: it did not fit, nothing past end written)."""
-    # 1) each change's exponent and rank among the elements of its exponent
+def _walk(ref, s, n, pos, o, c, shift, mask):
+    """(each change's reference exponent, its rank among the range's elements of that
+    exponent, each exponent's element count): the encoders' one walk over the reference."""
     count = np.zeros(EXPONENTS, np.int64)
     ex = np.empty(c, np.int64)
     rank = np.empty(c, np.int64)
@@ -241,7 +259,12 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
             j += 1
             nxt = np.int64(pos[o + j]) if j < c else n
         count[x] += 1
-    # 2) the pivot: the lower median of the changed elements' exponents
+    return ex, rank, count
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _pivot(ex, c):
+    """The lower median of the changed elements' exponents."""
     hist = np.zeros(EXPONENTS, np.int64)
     for j in range(c):
         hist[ex[j]] += 1
@@ -250,9 +273,14 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
     while 2 * seen < c:
         pivot += 1
         seen += hist[pivot]
-    low = pivot - CLASSES // 2
-    # 3) gaps (members of its exponent skipped before each change), and the changes of
-    # each parameter class, for choosing its parameters
+    return pivot
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _gaps(ex, rank, c, low):
+    """Each change's gap (members of its exponent skipped since its exponent's previous
+    change, or since the range's start), its parameter class, and the changes of each class
+    in position order (members[in_class[k]:in_class[k + 1]])."""
     last = np.full(EXPONENTS, -1, np.int64)
     gap = np.empty(c, np.int64)
     cls = np.empty(c, np.int64)
@@ -265,11 +293,46 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
         in_class[cls[j] + 1] += 1
     for k in range(CLASSES):
         in_class[k + 1] += in_class[k]
-    members = np.empty(c, np.int64)  # the changes of each class, in position order
+    members = np.empty(c, np.int64)
     fill = in_class[:CLASSES].copy()
     for j in range(c):
         members[fill[cls[j]]] = j
         fill[cls[j]] += 1
+    return gap, cls, in_class, members
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _successors(ex, c):
+    """Each change's next change of its exponent (-1: none), each exponent's first change
+    and change count, and the lowest and highest exponent with a change."""
+    succ = np.empty(c, np.int64)
+    later = np.full(EXPONENTS, -1, np.int64)
+    changes = np.zeros(EXPONENTS, np.int64)
+    for j in range(c - 1, -1, -1):
+        succ[j] = later[ex[j]]
+        later[ex[j]] = j
+        changes[ex[j]] += 1
+    lo = 0
+    while changes[lo] == 0:
+        lo += 1
+    hi = EXPONENTS - 1
+    while changes[hi] == 0:
+        hi -= 1
+    return succ, later, changes, lo, hi
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
+    """Code one item's c changes (positions pos[o:o+c] relative to s, coded values zval);
+    return the stream's end offset (past ``end``: it did not fit, nothing past end written)."""
+    # 1) each change's exponent and rank among the elements of its exponent
+    ex, rank, _ = _walk(ref, s, n, pos, o, c, shift, mask)
+    # 2) the pivot: the lower median of the changed elements' exponents
+    pivot = _pivot(ex, c)
+    low = pivot - CLASSES // 2
+    # 3) gaps (members of its exponent skipped before each change), and the changes of
+    # each parameter class, for choosing its parameters
+    gap, cls, in_class, members = _gaps(ex, rank, c, low)
     values = np.empty(c, np.int64)
     for j in range(c):
         values[j] = np.int64(zval[o + j]) - 1
@@ -288,19 +351,7 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
         kg[k] = _best_k(gap, sel, m, gsum)
         kv[k] = _best_k(values, sel, m, vsum)
     # 4) each change's successor within its exponent (-1: none), each exponent's first
-    succ = np.empty(c, np.int64)
-    later = np.full(EXPONENTS, -1, np.int64)
-    changes = np.zeros(EXPONENTS, np.int64)
-    for j in range(c - 1, -1, -1):
-        succ[j] = later[ex[j]]
-        later[ex[j]] = j
-        changes[ex[j]] += 1
-    lo = 0
-    while changes[lo] == 0:
-        lo += 1
-    hi = EXPONENTS - 1
-    while changes[hi] == 0:
-        hi -= 1
+    succ, later, changes, lo, hi = _successors(ex, c)
     # 5) the stream
     st = (np.int64(0), np.int64(0), d)
     st = _put(dst, end, st, np.int64(pivot), 8)
@@ -475,6 +526,546 @@ def decode_conditioned(
         for q in range(bounds[th], bounds[th + 1]):
             i = order[q]
             errors[i] = _decode_record(
+                ref,
+                bases[i],
+                lengths[i],
+                src,
+                src_off[i],
+                src_off[i] + src_len[i],
+                counts[i],
+                out_off[i],
+                shift,
+                mask,
+                vmax,
+                positions,
+                zval,
+            )
+
+
+# -- model 3: values per exponent, Rice or Huffman ----------------------------------------
+#
+# On real RL deltas a changed element's value is nearly fixed by its exponent (the step is
+# about the learning rate, so its size in ulps doubles per exponent down): per exponent a
+# few values and their signs, which a Huffman code over a window of values codes in about
+# two bits where model 2's Rice code per class of exponents spends three to four.
+
+
+@njit(cache=True)
+def _count_bits(x):
+    """Bits _put_count spends on ``x``."""
+    nb = 0
+    while nb < COUNT_LENGTH_MAX and (np.int64(1) << nb) <= x:
+        nb += 1
+    return COUNT_LENGTH_BITS + max(nb - 1, 0)
+
+
+@njit(cache=True)
+def _huffman_lengths(counts):
+    """Code lengths (0: unused) of a Huffman code for the symbols' counts, at most
+    LENGTH_MAX bits: where the plain code is longer, the counts are halved (kept nonzero)
+    and the code built again, which flattens it."""
+    w = counts.copy()
+    lengths = np.zeros(SYMBOLS, np.int64)
+    used = 0
+    for s in range(SYMBOLS):
+        if w[s] > 0:
+            used += 1
+            lengths[s] = 1
+    if used <= 1:
+        return lengths
+    weight = np.zeros(2 * SYMBOLS, np.int64)
+    parent = np.full(2 * SYMBOLS, -1, np.int64)
+    alive = np.zeros(2 * SYMBOLS, np.bool_)
+    while True:
+        parent[:] = -1
+        alive[:] = False
+        for s in range(SYMBOLS):
+            weight[s] = w[s]
+            alive[s] = w[s] > 0
+        nodes = SYMBOLS
+        for _ in range(used - 1):
+            pair = np.empty(2, np.int64)
+            for h in range(2):  # the two lightest live nodes, the lower index first on ties
+                best = -1
+                for q in range(nodes):
+                    if alive[q] and (best < 0 or weight[q] < weight[best]):
+                        best = q
+                alive[best] = False
+                pair[h] = best
+            weight[nodes] = weight[pair[0]] + weight[pair[1]]
+            parent[pair[0]] = nodes
+            parent[pair[1]] = nodes
+            alive[nodes] = True
+            nodes += 1
+        longest = 0
+        for s in range(SYMBOLS):
+            if w[s] > 0:
+                depth = 0
+                q = s
+                while parent[q] >= 0:
+                    depth += 1
+                    q = parent[q]
+                lengths[s] = depth
+                longest = max(longest, depth)
+        if longest <= LENGTH_MAX:
+            return lengths
+        for s in range(SYMBOLS):
+            if w[s] > 0:
+                w[s] = (w[s] + 1) >> 1
+
+
+@njit(cache=True)
+def _canonical_codes(lengths, codes):
+    """The canonical code of each symbol (shorter codes first, then by symbol), its bits
+    reversed so that the code's first bit is the stream's next; False if the lengths
+    oversubscribe the code space (Kraft sum over 1), which no prefix code has."""
+    code = np.int64(0)
+    for length in range(1, LENGTH_MAX + 1):
+        for s in range(SYMBOLS):
+            if lengths[s] == length:
+                if code >= (np.int64(1) << length):
+                    return False
+                r = np.int64(0)
+                for b in range(length):
+                    r |= ((code >> b) & 1) << (length - 1 - b)
+                codes[s] = r
+                code += 1
+        code <<= 1
+    return True
+
+
+@njit(cache=True)
+def _window(values, sel, count):
+    """The start of the WINDOW values that hold the most of the first SAMPLE values coded
+    (the lowest such start): a guess of where an exponent's values lie, from a sample so
+    that no exponent's values are sorted whole."""
+    ns = min(count, SAMPLE)
+    sample = np.empty(ns, np.int64)
+    for q in range(ns):
+        sample[q] = values[sel[q]]
+    sample.sort()
+    base = sample[0]
+    most = 0
+    hi = 0
+    for q in range(ns):
+        while hi < ns and sample[hi] < sample[q] + WINDOW:
+            hi += 1
+        if hi - q > most:
+            most, base = hi - q, sample[q]
+    return base
+
+
+@njit(cache=True)
+def _value_code(values, sel, m, lengths, codes):
+    """Choose an exponent's value code for its values ``values[sel[:m]]``: (kind, Rice
+    parameter, window base); a Huffman code's lengths and codes go into ``lengths`` and
+    ``codes``. Whichever is smaller, its table counted."""
+    vsum = np.int64(0)
+    for q in range(m):
+        vsum += values[sel[q]]
+    k = _best_k(values, sel, m, vsum)
+    rice = np.int64(PARAM_BITS)
+    for q in range(m):
+        rice += _rice_cost(values[sel[q]], k)
+    b = _window(values, sel, m)
+    counts = np.zeros(SYMBOLS, np.int64)
+    huffman = _count_bits(b) + SYMBOLS * LENGTH_BITS
+    for q in range(m):
+        v = values[sel[q]]
+        if b <= v < b + WINDOW:
+            counts[v - b] += 1
+        else:
+            counts[ESCAPE] += 1
+            huffman += _count_bits(v)
+    ls = _huffman_lengths(counts)
+    for t in range(SYMBOLS):
+        huffman += counts[t] * ls[t]
+    if huffman >= rice:
+        return KIND_RICE, k, np.int64(0)
+    lengths[:] = ls
+    _canonical_codes(ls, codes)
+    return KIND_HUFFMAN, np.int64(0), b
+
+
+@njit(cache=True)
+def _unchanged_gaps(rank, sel, m, members, out):
+    """An exponent's unchanged members as gaps, into ``out``: before each, the number of
+    its changes since the previous one (or the range's start); ``rank[sel[:m]]`` are the
+    ranks of its changes among its ``members`` members, ascending. Returns how many."""
+    u = 0
+    run = np.int64(0)
+    q = 0
+    for r in range(members):
+        if q < m and rank[sel[q]] == r:
+            run += 1
+            q += 1
+        else:
+            out[u] = run
+            u += 1
+            run = 0
+    return u
+
+
+@njit(cache=True)
+def _rice_bits(xs, start, count, k):
+    bits = np.int64(0)
+    for q in range(start, start + count):
+        bits += _rice_cost(xs[q], k)
+    return bits
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _encode_item_huffman(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
+    """Model 3's _encode_item: the same arguments and result."""
+    ex, rank, members = _walk(ref, s, n, pos, o, c, shift, mask)
+    low = _pivot(ex, c) - CLASSES // 2
+    gap, cls, in_class, by_class = _gaps(ex, rank, c, low)
+    succ, later, changes, lo, hi = _successors(ex, c)
+    # each exponent's changes in position order
+    in_exp = np.zeros(EXPONENTS + 1, np.int64)
+    for x in range(EXPONENTS):
+        in_exp[x + 1] = in_exp[x] + changes[x]
+    by_exp = np.empty(c, np.int64)
+    fill = in_exp[:EXPONENTS].copy()
+    for j in range(c):
+        by_exp[fill[ex[j]]] = j
+        fill[ex[j]] += 1
+    # 1) positions: an exponent with more changed members than not is coded inverted
+    # (its unchanged members' gaps, up front, with a parameter of its own) where smaller
+    inverted = np.zeros(EXPONENTS, np.int64)
+    kinv = np.zeros(EXPONENTS, np.int64)
+    u_off = np.zeros(EXPONENTS + 1, np.int64)
+    ugaps = np.empty(n - c, np.int64)
+    used = 0
+    for x in range(lo, hi + 1):
+        u_off[x] = used
+        m = changes[x]
+        if m == 0 or 2 * m <= members[x]:
+            continue
+        sel = by_exp[in_exp[x] : in_exp[x + 1]]
+        gsum = np.int64(0)
+        for q in range(m):
+            gsum += gap[sel[q]]
+        plain = np.int64(0)
+        kp = _best_k(gap, sel, m, gsum)
+        for q in range(m):
+            plain += _rice_cost(gap[sel[q]], kp)
+        u = _unchanged_gaps(rank, sel, m, members[x], ugaps[used:])
+        usum = np.int64(0)
+        for q in range(u):
+            usum += ugaps[used + q]
+        ku = _best_k(ugaps[used:], np.arange(u), u, usum)
+        if _count_bits(u) + PARAM_BITS + _rice_bits(ugaps, used, u, ku) < plain:
+            inverted[x] = 1
+            kinv[x] = ku
+            used += u
+    for x in range(hi + 1, EXPONENTS + 1):
+        u_off[x] = used
+    # the gap parameters per class, from the changes of exponents not inverted
+    kg = np.zeros(CLASSES, np.int64)
+    sel = np.empty(c, np.int64)
+    for k in range(CLASSES):
+        m = 0
+        gsum = np.int64(0)
+        for q in range(in_class[k], in_class[k + 1]):
+            j = by_class[q]
+            if not inverted[ex[j]]:
+                sel[m] = j
+                gsum += gap[j]
+                m += 1
+        if m:
+            kg[k] = _best_k(gap, sel, m, gsum)
+    # 2) values: a code per exponent
+    values = np.empty(c, np.int64)
+    for j in range(c):
+        values[j] = np.int64(zval[o + j]) - 1
+    kind = np.zeros(EXPONENTS, np.int64)
+    kv = np.zeros(EXPONENTS, np.int64)
+    base = np.zeros(EXPONENTS, np.int64)
+    lengths = np.zeros((EXPONENTS, SYMBOLS), np.int64)
+    codes = np.zeros((EXPONENTS, SYMBOLS), np.int64)
+    for x in range(lo, hi + 1):
+        if changes[x]:
+            h, k, b = _value_code(
+                values, by_exp[in_exp[x] : in_exp[x + 1]], changes[x], lengths[x], codes[x]
+            )
+            kind[x], kv[x], base[x] = h, k, b
+    # 3) the stream
+    st = (np.int64(0), np.int64(0), d)
+    st = _put(dst, end, st, np.int64(low + CLASSES // 2), 8)
+    for k in range(CLASSES):
+        st = _put(dst, end, st, kg[k], PARAM_BITS)
+    st = _put(dst, end, st, np.int64(lo), 8)
+    st = _put(dst, end, st, np.int64(hi), 8)
+    for x in range(lo, hi + 1):
+        st = _put_count(dst, end, st, changes[x])
+        if changes[x] == 0:
+            continue
+        st = _put(dst, end, st, inverted[x], 1)
+        if inverted[x]:
+            st = _put_count(dst, end, st, u_off[x + 1] - u_off[x])
+            st = _put(dst, end, st, kinv[x], PARAM_BITS)
+            for q in range(u_off[x], u_off[x + 1]):
+                st = _put_rice(dst, end, st, ugaps[q], kinv[x])
+        else:
+            st = _put_rice(dst, end, st, gap[later[x]], kg[_class(x, low)])
+        st = _put(dst, end, st, kind[x], 1)
+        if kind[x] == KIND_RICE:
+            st = _put(dst, end, st, kv[x], PARAM_BITS)
+        else:
+            st = _put_count(dst, end, st, base[x])
+            for t in range(SYMBOLS):
+                st = _put(dst, end, st, lengths[x, t], LENGTH_BITS)
+    for j in range(c):
+        x = ex[j]
+        v = values[j]
+        if kind[x] == KIND_RICE:
+            st = _put_rice(dst, end, st, v, kv[x])
+        elif base[x] <= v < base[x] + WINDOW:
+            t = v - base[x]
+            st = _put(dst, end, st, codes[x, t], lengths[x, t])
+        else:
+            st = _put(dst, end, st, codes[x, ESCAPE], lengths[x, ESCAPE])
+            st = _put_count(dst, end, st, v)
+        if succ[j] >= 0 and not inverted[x]:
+            st = _put_rice(dst, end, st, gap[succ[j]], kg[cls[j]])
+    return _flush(dst, end, st)
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def encode_conditioned_huffman(
+    ref,
+    starts,
+    lengths,
+    out_off,
+    counts,
+    pos,
+    zval,
+    shift,
+    mask,
+    dst,
+    cap_off,
+    cap,
+    sizes,
+    order,
+    bounds,
+):
+    """Model 3's encode_conditioned: the same arguments and results."""
+    for th in prange(bounds.shape[0] - 1):
+        for q in range(bounds[th], bounds[th + 1]):
+            i = order[q]
+            if counts[i] == 0:
+                sizes[i] = 0
+                continue
+            d0 = cap_off[i]
+            sizes[i] = (
+                _encode_item_huffman(
+                    ref,
+                    starts[i],
+                    lengths[i],
+                    pos,
+                    zval,
+                    out_off[i],
+                    counts[i],
+                    shift,
+                    mask,
+                    dst,
+                    d0,
+                    d0 + cap[i],
+                )
+                - d0
+            )
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _decode_record_huffman(  # noqa: PLR0911 - a kernel cannot raise: each refusal returns its code
+    ref, b, n, src, r0, end, c, o, shift, mask, vmax, positions, zval
+):
+    st = 8 * r0
+    st, pivot = _get(src, end, st, 8)
+    low = pivot - CLASSES // 2
+    kg = np.zeros(CLASSES, np.int64)
+    for k in range(CLASSES):
+        st, g = _get(src, end, st, PARAM_BITS)
+        kg[k] = g
+    st, lo = _get(src, end, st, 8)
+    st, hi = _get(src, end, st, 8)
+    # Per exponent, as model 2: members to skip before its next change (0 always for an
+    # inverted exponent, whose every member the walk looks at) and changes after that one;
+    # for an inverted one: its changes before its next unchanged member (run), the next of
+    # its unchanged members' gaps (ugaps[up[x] : u_end[x]]), and its changes still to come.
+    left = np.full(EXPONENTS, _NONE, np.int64)
+    rest = np.zeros(EXPONENTS, np.int64)
+    inverted = np.zeros(EXPONENTS, np.int64)
+    run = np.zeros(EXPONENTS, np.int64)
+    up = np.zeros(EXPONENTS, np.int64)
+    u_end = np.zeros(EXPONENTS, np.int64)
+    todo = np.zeros(EXPONENTS, np.int64)
+    ugaps = np.empty(0, np.int64)
+    kind = np.zeros(EXPONENTS, np.int64)
+    kv = np.zeros(EXPONENTS, np.int64)
+    base = np.zeros(EXPONENTS, np.int64)
+    # the Huffman tables: exponent x's is table[toff[x] : toff[x] + 2**tbits[x]], indexed by
+    # the stream's next tbits[x] bits; an entry is symbol | length << 5 (0: no such code)
+    toff = np.zeros(EXPONENTS, np.int64)
+    tbits = np.zeros(EXPONENTS, np.int64)
+    lengths = np.zeros((max(hi - lo + 1, 1), SYMBOLS), np.int64)
+    size = np.int64(0)
+    total = np.int64(0)
+    unchanged = np.int64(0)
+    for x in range(lo, hi + 1):
+        st, m = _get_count(src, end, st)
+        if m < 0 or m > c - total:
+            return OUT_OF_RANGE
+        if m == 0:
+            continue
+        total += m
+        st, flag = _get(src, end, st, 1)
+        if flag:
+            st, u = _get_count(src, end, st)
+            # the range holds its changes and its unchanged members both
+            if u < 0 or u > n - c - unchanged:
+                return OUT_OF_RANGE
+            st, k = _get(src, end, st, PARAM_BITS)
+            if ugaps.shape[0] == 0:
+                ugaps = np.empty(n - c, np.int64)
+            for q in range(u):
+                st, g = _get_rice(src, end, st, k)
+                ugaps[unchanged + q] = g
+            inverted[x] = 1
+            left[x] = 0
+            todo[x] = m
+            run[x] = ugaps[unchanged] if u else _NONE
+            up[x] = unchanged + 1
+            u_end[x] = unchanged + u
+            unchanged += u
+        else:
+            st, g = _get_rice(src, end, st, kg[_class(x, low)])
+            left[x] = g
+            rest[x] = m - 1
+        st, h = _get(src, end, st, 1)
+        kind[x] = h
+        if h == KIND_RICE:
+            st, k = _get(src, end, st, PARAM_BITS)
+            kv[x] = k
+            continue
+        st, start = _get_count(src, end, st)
+        if start < 0:
+            return BAD_VALUE
+        base[x] = start
+        longest = 0
+        for t in range(SYMBOLS):
+            st, length = _get(src, end, st, LENGTH_BITS)
+            if length > LENGTH_MAX:
+                return BAD_TABLE
+            lengths[x - lo, t] = length
+            longest = max(longest, length)
+        if longest == 0:
+            return BAD_TABLE
+        toff[x] = size
+        tbits[x] = longest
+        size += np.int64(1) << longest
+    if total != c:
+        return OUT_OF_RANGE
+    table = np.zeros(max(size, 1), np.int64)
+    codes = np.zeros(SYMBOLS, np.int64)
+    for x in range(lo, hi + 1):
+        if tbits[x] == 0:
+            continue
+        if not _canonical_codes(lengths[x - lo], codes):
+            return BAD_TABLE
+        for t in range(SYMBOLS):
+            length = lengths[x - lo, t]
+            if length:
+                for q in range(codes[t], np.int64(1) << tbits[x], np.int64(1) << length):
+                    table[toff[x] + q] = t | (length << 5)
+    j = 0
+    for e in range(n):
+        x = (np.int64(ref[b + e]) >> shift) & mask
+        g = left[x]
+        if g:
+            left[x] = g - 1
+            continue
+        if inverted[x]:
+            r = run[x]
+            if r == 0:  # an unchanged member: how many changes until the next one
+                q = up[x]
+                if q < u_end[x]:
+                    run[x] = ugaps[q]
+                    up[x] = q + 1
+                else:
+                    run[x] = _NONE
+                continue
+            run[x] = r - 1
+            if todo[x] == 0:
+                return OUT_OF_RANGE
+            todo[x] -= 1
+        if kind[x] == KIND_RICE:
+            st, v = _get_rice(src, end, st, kv[x])
+        else:
+            entry = table[toff[x] + (_peek(src, end, st) & ((np.int64(1) << tbits[x]) - 1))]
+            if entry == 0:
+                return BAD_TABLE
+            st += entry >> 5
+            t = entry & 31
+            if t == ESCAPE:
+                st, v = _get_count(src, end, st)
+                if v < 0:
+                    return BAD_VALUE
+            else:
+                v = base[x] + t
+        if v >= vmax:
+            return BAD_VALUE
+        positions[o + j] = e
+        zval[o + j] = np.uint64(v + 1)
+        j += 1
+        if not inverted[x]:
+            if rest[x] > 0:
+                st, g = _get_rice(src, end, st, kg[_class(x, low)])
+                rest[x] -= 1
+                left[x] = g
+            else:
+                left[x] = _NONE
+    used = st - 8 * r0
+    error = OK
+    if used > 8 * (end - r0):
+        error = EXHAUSTED
+    elif j < c:
+        error = OUT_OF_RANGE
+    elif (used + 7) // 8 < end - r0:
+        error = TRAILING
+    for x in range(lo, hi + 1):
+        # an inverted exponent's unchanged members all met (the last one leaves run at
+        # _NONE, less the changes after it): none was claimed past the range's end
+        if error == OK and inverted[x] and (up[x] < u_end[x] or run[x] < _NONE - n):
+            error = OUT_OF_RANGE
+    return error
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def decode_conditioned_huffman(
+    ref,
+    bases,
+    lengths,
+    src,
+    src_off,
+    src_len,
+    counts,
+    out_off,
+    shift,
+    mask,
+    vmax,
+    positions,
+    zval,
+    errors,
+    order,
+    bounds,
+):
+    """Model 3's decode_conditioned: the same arguments, results and bounds."""
+    for th in prange(bounds.shape[0] - 1):
+        for q in range(bounds[th], bounds[th + 1]):
+            i = order[q]
+            errors[i] = _decode_record_huffman(
                 ref,
                 bases[i],
                 lengths[i],

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltarl.codecs import conditioned as cond
-from deltarl.codecs import conditioned_rice, kernels
+from deltarl.codecs import conditioned_huffman, conditioned_rice, kernels
 from deltarl.codecs.checksum import chunk_hash, model_digest, tensor_digests
 from deltarl.codecs.compression import DEFAULT_LEVEL, PlaneCompressor
 from deltarl.codecs.frame import (
@@ -73,17 +73,19 @@ DEFAULT_DENSE_THRESHOLD = 0.30
 # Items are the unit of parallel work and of a record; 1M elements keeps both cores busy on
 # a large tensor and keeps a record well under the chunk size.
 DEFAULT_ITEM_ELEMS = 1 << 20
-# The conditioned coders by name: (the frame's model id, their module). Both modules have
+# The conditioned coders by name: (the frame's model id, their module). Each module has
 # encode_conditioned and work with the same arguments.
 CONDITIONED_CODERS = {
     "range": (cond.MODEL_EXPONENT, cond),
     "rice": (conditioned_rice.MODEL_EXPONENT_RICE, conditioned_rice),
+    "huffman": (conditioned_huffman.MODEL, conditioned_huffman),
 }
 # The export agent's ``delta_coding`` settings: (conditioned, conditioned_coder).
 DELTA_CODINGS = {
     "rice": (False, "range"),
     "conditioned": (True, "range"),
     "conditioned_rice": (True, "rice"),
+    "conditioned_huffman": (True, "huffman"),
 }
 
 
@@ -149,7 +151,10 @@ class DeltaEncoder:
         coder with a model per exponent (conditioned.py, the smallest), or ``rice``, Rice
         codes with parameters per class of exponents (conditioned_rice.py: on simulated
         AdamW deltas 0.80x the default's bytes against the range coder's 0.68-0.73x,
-        encoding 1.4-1.5x and decoding 1.7-2x as fast as it).
+        encoding 1.4-1.5x and decoding 1.7-2x as fast as it), or ``huffman``, model 2 with
+        a value code per exponent, Rice or Huffman, and dense exponents coded by their
+        unchanged members (conditioned_huffman.py: about the range coder's bytes at the
+        Rice coder's apply speed).
         ``value_classes``: Rice code the ordered-delta values of 16- and 32-bit floats with a
         parameter per class of the reference element (its exponent) where that is smaller
         (VAL_CLASSED); receivers older than it refuse such records by their coding's number,

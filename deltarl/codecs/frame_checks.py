@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltarl.codecs import conditioned, conditioned_rice, kernels
+from deltarl.codecs import conditioned, conditioned_huffman, conditioned_rice, kernels
 from deltarl.codecs.compression import decompress
 from deltarl.codecs.conditioned import (
     CODED_DTYPES,
@@ -49,6 +49,7 @@ from deltarl.engine.layout import Layout
 CONDITIONED_MODELS = {
     conditioned.MODEL_EXPONENT: conditioned,
     conditioned_rice.MODEL_EXPONENT_RICE: conditioned_rice,
+    conditioned_huffman.MODEL: conditioned_huffman,
 }
 
 # Adaptive decisions a changed element of a conditioned record costs at least: the bit
@@ -148,10 +149,11 @@ def _check_conditioned(where: str, r: RecordHeader, dtype: str) -> None:
         raise FrameError(f"{where}: a conditioned record cannot code {dtype} elements")
     if r.val_coding != VAL_ORDERED_DELTA:
         raise FrameError(f"{where}: a conditioned record must carry ordered-delta values")
-    if r.pos_k == conditioned_rice.MODEL_EXPONENT_RICE:
-        # Every change costs at least two Rice codes of a bit or more, after the header.
-        room = 8 * r.pos_len - conditioned_rice.HEADER_BITS
-        most = max(room, 0) // conditioned_rice.MIN_BITS_PER_CHANGE
+    if r.pos_k != conditioned.MODEL_EXPONENT:
+        # Every change costs at least two codes of a bit or more, after the header.
+        coder = CONDITIONED_MODELS[r.pos_k]
+        room = 8 * r.pos_len - coder.HEADER_BITS
+        most = max(room, 0) // coder.MIN_BITS_PER_CHANGE
         if room < 0 or r.changed > most:
             raise FrameError(
                 f"{where}: {kernels.ERRORS[kernels.EXHAUSTED]} (a conditioned Rice stream of "

@@ -46,7 +46,7 @@ def warm_up() -> None:
         (VAL_XOR, cur, None),
         (VAL_ORDERED_DELTA, cur_ro, None),
     ]
-    # conditioned records of every float width they code (bf16, f32) and of both coders,
+    # conditioned records of every float width they code (bf16, f32) and of every coder,
     # from a delta where they win: a tiny step that moves only the smallest weights
     for coder in CONDITIONED_CODERS:
         cases.append((VAL_ORDERED_DELTA, _tiny_step(layout, ref), coder))

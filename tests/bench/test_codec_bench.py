@@ -24,6 +24,7 @@ STEP_KEYS = {
     "bit_exact": bool,
     "conditioned": dict,
     "conditioned_rice": dict,
+    "conditioned_huffman": dict,
     "one_value_parameter": dict,
 }
 ONE_PARAMETER_KEYS = {
@@ -89,8 +90,8 @@ def test_bench_codec_json_shape_and_bit_exactness():
         # sides hold costs less again (on AdamW deltas; not a law for every delta).
         assert 0 < s["entropy_ordered_bytes_per_change"] < s["entropy_bytes_per_change"]
         assert 0 < s["entropy_conditioned_bytes_per_change"] < s["entropy_ordered_bytes_per_change"]
-        # both conditioned codings (the range coder and Rice, conditioned_rice.py)
-        for c in (s["conditioned"], s["conditioned_rice"]):
+        # the conditioned codings (the range coder, Rice, and a value code per exponent)
+        for c in (s["conditioned"], s["conditioned_rice"], s["conditioned_huffman"]):
             assert set(c) == set(CONDITIONED_KEYS)
             for key, kind in CONDITIONED_KEYS.items():
                 assert isinstance(c[key], kind), (key, c[key])
@@ -104,6 +105,7 @@ def test_bench_codec_json_shape_and_bit_exactness():
             ordered = s["entropy_ordered_bytes_per_change"]
             assert c["vs_ordered_bound"] == c["bytes_per_change"] / ordered
         assert s["conditioned_rice"]["walk_gbps"] == s["conditioned"]["walk_gbps"]
+        assert s["conditioned_huffman"]["walk_gbps"] == s["conditioned"]["walk_gbps"]
         # one Rice parameter per record's values: bit-exact, and the default coding (a
         # parameter per class where smaller) never larger than it
         k = s["one_value_parameter"]
@@ -141,8 +143,9 @@ def test_bench_codec_table_names_the_targets():
     assert "apply without its decode, each part alone: writes" in out.stdout
     assert "its writes and verify alone" in out.stdout  # the apply target's ceiling here
     assert "its walk over the reference alone" in out.stdout  # the conditioned coding's
-    assert "conditioned Rice: " in out.stdout
-    assert "conditioned Rice bit-exact" in out.stdout  # and its verdicts
+    for name in ("conditioned Rice", "conditioned Huffman"):
+        assert f"{name}: " in out.stdout
+        assert f"{name} bit-exact" in out.stdout  # and its verdicts
     # its kernels' threads sleep between kernels as the agents' do: the policy was set before
     # torch (the simulation) loaded the OpenMP runtime they share (deltarl/ops/kernel_threads.py)
     assert "loaded already" not in out.stderr, out.stderr

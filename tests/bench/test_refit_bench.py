@@ -165,11 +165,12 @@ def test_bench_refit_compare_copy_measures_the_catch_up_side_by_side() -> None:
 
 
 def test_bench_refit_compare_conditioned_measures_the_coding_side_by_side() -> None:
-    result, _ = _bench("--link", "shm", "--compare-conditioned", "--compare-conditioned-rice")
+    codings = ("conditioned", "conditioned_rice", "conditioned_huffman")
+    result, _ = _bench("--link", "shm", *(f"--compare-{c.replace('_', '-')}" for c in codings))
     text = render(result)
-    for coding in ("conditioned", "conditioned_rice"):
+    for coding in codings:
         assert f"deltas coded against the reference (delta_coding = '{coding}')" in text
-    both = [result.pop("conditioned"), result.pop("conditioned_rice")]
+    both = [result.pop(coding) for coding in codings]
     _check_shape(result, "shm", None)
     stages = ("encode_s", "transfer_s", "apply_s", "wire_bytes")
     for coded in both:

@@ -317,7 +317,7 @@ def _forge(edit: str) -> bytes:
     i = f.first(POS_CONDITIONED, 2)
     r = f.records[i]
     if edit == "model":
-        f.edit(i, pos_k=3)
+        f.edit(i, pos_k=4)
     elif edit == "val_len":
         f.edit(i, val_len=3)
     elif edit == "xor":
@@ -347,7 +347,7 @@ def _forge(edit: str) -> bytes:
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        ("model", r"conditioned record with model 3"),
+        ("model", r"conditioned record with model 4"),
         ("val_len", r"val_len 3"),
         ("xor", r"must carry ordered-delta values"),
         ("claims_too_many", r"codes at most"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,11 +99,17 @@ def test_the_settings_name_each_coding() -> None:
     assert delta_coding_options("rice") == (False, "range")
     assert delta_coding_options("conditioned") == (True, "range")
     assert delta_coding_options("conditioned_rice") == (True, "rice")
-    assert set(DELTA_CODINGS) == {"rice", "conditioned", "conditioned_rice"}
+    assert delta_coding_options("conditioned_huffman") == (True, "huffman")
+    assert set(DELTA_CODINGS) == {
+        "rice",
+        "conditioned",
+        "conditioned_rice",
+        "conditioned_huffman",
+    }
     with pytest.raises(ValueError, match="unknown delta_coding 'zstd'"):
         delta_coding_options("zstd")
     with pytest.raises(ValueError, match="conditioned_coder must be one of"):
-        DeltaEncoder(LAYOUT, conditioned=True, conditioned_coder="huffman")
+        DeltaEncoder(LAYOUT, conditioned=True, conditioned_coder="lz4")
 
 
 # -- the stream, modelled independently -------------------------------------------------------
@@ -227,25 +234,28 @@ def test_the_kernel_writes_the_stream_the_model_describes() -> None:
 # -- the kernels alone, on any changes and values --------------------------------------------
 
 
-def _round_trip(ref: np.ndarray, pos: np.ndarray, zval: np.ndarray, shift: int) -> bytes:
-    """Encode one item's changes with the kernel, decode them back (checked equal), and
+def _round_trip(
+    ref: np.ndarray, pos: np.ndarray, zval: np.ndarray, shift: int, coder: Any = cr
+) -> bytes:
+    """Encode one item's changes with ``coder``'s kernel (a module with encode_conditioned,
+    decode_conditioned and work: model 2's by default), decode them back (checked equal), and
     check that one byte less of room is reported too small and one byte less of stream is
     refused. Returns the stream."""
     n, c = ref.size, pos.size
     one = np.zeros(1, np.int64)
     starts, lengths, out_off, counts = one, np.array([n]), one, np.array([c])
-    deal = kernels.deal(cr.work(lengths, counts))
+    deal = kernels.deal(coder.work(lengths, counts))
     sizes = np.zeros(1, np.int64)
     cap = np.array([16 * c + 512])  # counts of up to 256 exponents: 192 bytes
     dst = np.zeros(int(cap[0]), np.uint8)
-    cr.encode_conditioned(
+    coder.encode_conditioned(
         ref, starts, lengths, out_off, counts, pos, zval, shift, 0xFF, dst, one, cap, sizes, *deal
     )
     size = int(sizes[0])
     assert 0 < size <= cap[0]
     stream = dst[:size].copy()
     short = np.array([size - 1])
-    cr.encode_conditioned(
+    coder.encode_conditioned(
         ref, starts, lengths, out_off, counts, pos, zval, shift, 0xFF, dst, one, short, sizes, *deal
     )
     assert sizes[0] == size  # the room it needed, though it had less
@@ -254,7 +264,7 @@ def _round_trip(ref: np.ndarray, pos: np.ndarray, zval: np.ndarray, shift: int) 
         positions = np.zeros(c, np.uint32)
         values = np.zeros(c, ref.dtype)
         errors = np.full(1, -1, np.int64)
-        cr.decode_conditioned(
+        coder.decode_conditioned(
             ref,
             starts,
             lengths,
@@ -332,7 +342,7 @@ def _forge(edit: str) -> bytes:
     at, n = f.part(i, STREAM_CONDITIONED)
     part = f.stream(STREAM_CONDITIONED).raw[at : at + n]
     if edit == "model":
-        f.edit(i, pos_k=3)
+        f.edit(i, pos_k=4)
     elif edit == "claims_too_many":
         # twelve bytes hold the header and at most a change or two
         f.replace_part(i, STREAM_CONDITIONED, part[:12])
@@ -354,7 +364,7 @@ def _forge(edit: str) -> bytes:
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        ("model", r"conditioned record with model 3 \(known: \[1, 2\]\)"),
+        ("model", r"conditioned record with model 4 \(known: \[1, 2, 3\]\)"),
         ("claims_too_many", r"conditioned Rice stream of 12 bytes codes at most"),
         ("lo", r"more or fewer changes than the record claims"),
         ("hi", r"more or fewer changes than the record claims"),

@@ -118,9 +118,10 @@ def test_versions_flow_bit_exact(pipeline: Pipeline) -> None:
     assert codes == {"apply": 0, "export": 0, "trainer": 0}, pipeline.logs()
 
 
-@pytest.mark.parametrize("coding", ["conditioned", "conditioned_rice"])
+@pytest.mark.parametrize("coding", ["conditioned", "conditioned_rice", "conditioned_huffman"])
 def test_conditioned_deltas_flow_bit_exact(tmp_path: Path, coding: str) -> None:
-    """``delta_coding = "conditioned"`` or ``"conditioned_rice"``: the same daemons, deltas
+    """``delta_coding = "conditioned"``, ``"conditioned_rice"`` or ``"conditioned_huffman"``:
+    the same daemons, deltas
     coded against the reference (the apply agent needs no setting); conditioned records
     really go over the link."""
     tables = refit_tables(tmp_path, export_link=shm_link(tmp_path))
