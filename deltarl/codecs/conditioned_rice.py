@@ -277,19 +277,28 @@ def _pivot(ex, c):
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
-def _gaps(ex, rank, c, low):
-    """Each change's gap (members of its exponent skipped since its exponent's previous
-    change, or since the range's start), its parameter class, and the changes of each class
-    in position order (members[in_class[k]:in_class[k + 1]])."""
+def _exponent_gaps(ex, rank, c):
+    """Each change's gap: members of its exponent skipped since its exponent's previous
+    change, or since the range's start."""
     last = np.full(EXPONENTS, -1, np.int64)
     gap = np.empty(c, np.int64)
-    cls = np.empty(c, np.int64)
-    in_class = np.zeros(CLASSES + 1, np.int64)
     for j in range(c):
         x = ex[j]
         gap[j] = rank[j] - last[x] - 1
         last[x] = rank[j]
-        cls[j] = _class(x, low)
+    return gap
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _gaps(ex, rank, c, low):
+    """Each change's gap (members of its exponent skipped since its exponent's previous
+    change, or since the range's start), its parameter class, and the changes of each class
+    in position order (members[in_class[k]:in_class[k + 1]])."""
+    gap = _exponent_gaps(ex, rank, c)
+    cls = np.empty(c, np.int64)
+    in_class = np.zeros(CLASSES + 1, np.int64)
+    for j in range(c):
+        cls[j] = _class(ex[j], low)
         in_class[cls[j] + 1] += 1
     for k in range(CLASSES):
         in_class[k + 1] += in_class[k]
@@ -635,14 +644,12 @@ def _canonical_codes(lengths, codes):
 
 
 @njit(cache=True)
-def _window(values, sel, count):
-    """The start of the WINDOW values that hold the most of the first SAMPLE values coded
-    (the lowest such start): a guess of where an exponent's values lie, from a sample so
-    that no exponent's values are sorted whole."""
+def _window(vx, start, count):
+    """The start of the WINDOW values that hold the most of the first SAMPLE of
+    ``vx[start : start + count]`` (the lowest such start): a guess of where an exponent's
+    values lie, from a sample so that no exponent's values are sorted whole."""
     ns = min(count, SAMPLE)
-    sample = np.empty(ns, np.int64)
-    for q in range(ns):
-        sample[q] = values[sel[q]]
+    sample = vx[start : start + ns].copy()
     sample.sort()
     base = sample[0]
     most = 0
@@ -656,22 +663,41 @@ def _window(values, sel, count):
 
 
 @njit(cache=True)
-def _value_code(values, sel, m, lengths, codes):
-    """Choose an exponent's value code for its values ``values[sel[:m]]``: (kind, Rice
-    parameter, window base); a Huffman code's lengths and codes go into ``lengths`` and
+def _rice_best(xs, start, count):
+    """(parameter, bits) of the Rice code, of the five around the one the mean suggests,
+    that codes ``xs[start : start + count]`` in the fewest bits (exactly counted; the lowest
+    on ties): _best_k's choice, over a contiguous run (a pass per parameter, which the
+    compiler vectorises; one pass for all five, accumulating in an array, was slower)."""
+    total = np.int64(0)
+    for q in range(start, start + count):
+        total += xs[q]
+    mean = total // count if count else 0
+    k0 = 0
+    while k0 < 30 and (np.int64(1) << (k0 + 1)) <= mean:
+        k0 += 1
+    best_k = 0
+    best = np.int64(-1)
+    for k in range(max(0, k0 - 2), min(31, k0 + 2) + 1):
+        bits = np.int64(0)
+        for q in range(start, start + count):
+            bits += _rice_cost(xs[q], k)
+        if best < 0 or bits < best:
+            best, best_k = bits, k
+    return best_k, max(best, 0)
+
+
+@njit(cache=True)
+def _value_code(vx, start, m, lengths, codes):
+    """Choose an exponent's value code for its values ``vx[start : start + m]``: (kind,
+    Rice parameter, window base); a Huffman code's lengths and codes go into ``lengths`` and
     ``codes``. Whichever is smaller, its table counted."""
-    vsum = np.int64(0)
-    for q in range(m):
-        vsum += values[sel[q]]
-    k = _best_k(values, sel, m, vsum)
-    rice = np.int64(PARAM_BITS)
-    for q in range(m):
-        rice += _rice_cost(values[sel[q]], k)
-    b = _window(values, sel, m)
+    k, rice = _rice_best(vx, start, m)
+    rice += PARAM_BITS
+    b = _window(vx, start, m)
     counts = np.zeros(SYMBOLS, np.int64)
     huffman = _count_bits(b) + SYMBOLS * LENGTH_BITS
-    for q in range(m):
-        v = values[sel[q]]
+    for q in range(start, start + m):
+        v = vx[q]
         if b <= v < b + WINDOW:
             counts[v - b] += 1
         else:
@@ -688,30 +714,22 @@ def _value_code(values, sel, m, lengths, codes):
 
 
 @njit(cache=True)
-def _unchanged_gaps(rank, sel, m, members, out):
-    """An exponent's unchanged members as gaps, into ``out``: before each, the number of
-    its changes since the previous one (or the range's start); ``rank[sel[:m]]`` are the
-    ranks of its changes among its ``members`` members, ascending. Returns how many."""
+def _unchanged_gaps(rx, start, m, members, out, at):
+    """An exponent's unchanged members as gaps, into ``out[at:]``: before each, the number
+    of its changes since the previous one (or the range's start); ``rx[start : start + m]``
+    are the ranks of its changes among its ``members`` members, ascending. Returns how many."""
     u = 0
     run = np.int64(0)
-    q = 0
+    q = start
     for r in range(members):
-        if q < m and rank[sel[q]] == r:
+        if q < start + m and rx[q] == r:
             run += 1
             q += 1
         else:
-            out[u] = run
+            out[at + u] = run
             u += 1
             run = 0
     return u
-
-
-@njit(cache=True)
-def _rice_bits(xs, start, count, k):
-    bits = np.int64(0)
-    for q in range(start, start + count):
-        bits += _rice_cost(xs[q], k)
-    return bits
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -719,17 +737,24 @@ def _encode_item_huffman(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
     """Model 3's _encode_item: the same arguments and result."""
     ex, rank, members = _walk(ref, s, n, pos, o, c, shift, mask)
     low = _pivot(ex, c) - CLASSES // 2
-    gap, cls, in_class, by_class = _gaps(ex, rank, c, low)
+    gap = _exponent_gaps(ex, rank, c)
     succ, later, changes, lo, hi = _successors(ex, c)
-    # each exponent's changes in position order
+    # each exponent's changes, in position order, as one contiguous run of gaps, ranks and
+    # values (exponents in order, so a class's exponents' runs are contiguous too): every
+    # choice below is a pass over runs
     in_exp = np.zeros(EXPONENTS + 1, np.int64)
     for x in range(EXPONENTS):
         in_exp[x + 1] = in_exp[x] + changes[x]
-    by_exp = np.empty(c, np.int64)
+    gx = np.empty(c, np.int64)
+    rx = np.empty(c, np.int64)
+    vx = np.empty(c, np.int64)
+    values = np.empty(c, np.int64)
     fill = in_exp[:EXPONENTS].copy()
     for j in range(c):
-        by_exp[fill[ex[j]]] = j
-        fill[ex[j]] += 1
+        values[j] = np.int64(zval[o + j]) - 1
+        q = fill[ex[j]]
+        gx[q], rx[q], vx[q] = gap[j], rank[j], values[j]
+        fill[ex[j]] = q + 1
     # 1) positions: an exponent with more changed members than not is coded inverted
     # (its unchanged members' gaps, up front, with a parameter of its own) where smaller
     inverted = np.zeros(EXPONENTS, np.int64)
@@ -742,20 +767,10 @@ def _encode_item_huffman(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
         m = changes[x]
         if m == 0 or 2 * m <= members[x]:
             continue
-        sel = by_exp[in_exp[x] : in_exp[x + 1]]
-        gsum = np.int64(0)
-        for q in range(m):
-            gsum += gap[sel[q]]
-        plain = np.int64(0)
-        kp = _best_k(gap, sel, m, gsum)
-        for q in range(m):
-            plain += _rice_cost(gap[sel[q]], kp)
-        u = _unchanged_gaps(rank, sel, m, members[x], ugaps[used:])
-        usum = np.int64(0)
-        for q in range(u):
-            usum += ugaps[used + q]
-        ku = _best_k(ugaps[used:], np.arange(u), u, usum)
-        if _count_bits(u) + PARAM_BITS + _rice_bits(ugaps, used, u, ku) < plain:
+        _, plain = _rice_best(gx, in_exp[x], m)
+        u = _unchanged_gaps(rx, in_exp[x], m, members[x], ugaps, used)
+        ku, ubits = _rice_best(ugaps, used, u)
+        if _count_bits(u) + PARAM_BITS + ubits < plain:
             inverted[x] = 1
             kinv[x] = ku
             used += u
@@ -763,22 +778,17 @@ def _encode_item_huffman(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
         u_off[x] = used
     # the gap parameters per class, from the changes of exponents not inverted
     kg = np.zeros(CLASSES, np.int64)
-    sel = np.empty(c, np.int64)
+    kept = np.empty(c, np.int64)
     for k in range(CLASSES):
         m = 0
-        gsum = np.int64(0)
-        for q in range(in_class[k], in_class[k + 1]):
-            j = by_class[q]
-            if not inverted[ex[j]]:
-                sel[m] = j
-                gsum += gap[j]
-                m += 1
+        for x in range(lo, hi + 1):
+            if _class(x, low) == k and not inverted[x]:
+                for q in range(in_exp[x], in_exp[x + 1]):
+                    kept[m] = gx[q]
+                    m += 1
         if m:
-            kg[k] = _best_k(gap, sel, m, gsum)
+            kg[k], _ = _rice_best(kept, 0, m)
     # 2) values: a code per exponent
-    values = np.empty(c, np.int64)
-    for j in range(c):
-        values[j] = np.int64(zval[o + j]) - 1
     kind = np.zeros(EXPONENTS, np.int64)
     kv = np.zeros(EXPONENTS, np.int64)
     base = np.zeros(EXPONENTS, np.int64)
@@ -786,9 +796,7 @@ def _encode_item_huffman(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
     codes = np.zeros((EXPONENTS, SYMBOLS), np.int64)
     for x in range(lo, hi + 1):
         if changes[x]:
-            h, k, b = _value_code(
-                values, by_exp[in_exp[x] : in_exp[x + 1]], changes[x], lengths[x], codes[x]
-            )
+            h, k, b = _value_code(vx, in_exp[x], changes[x], lengths[x], codes[x])
             kind[x], kv[x], base[x] = h, k, b
     # 3) the stream
     st = (np.int64(0), np.int64(0), d)
@@ -828,7 +836,7 @@ def _encode_item_huffman(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
             st = _put(dst, end, st, codes[x, ESCAPE], lengths[x, ESCAPE])
             st = _put_count(dst, end, st, v)
         if succ[j] >= 0 and not inverted[x]:
-            st = _put_rice(dst, end, st, gap[succ[j]], kg[cls[j]])
+            st = _put_rice(dst, end, st, gap[succ[j]], kg[_class(x, low)])
     return _flush(dst, end, st)
 
 
