@@ -39,9 +39,11 @@ Streams (each kind at most once per chunk):
   takes the parameter of its reference element's class (kernels.CLASS_BITS);
 - STREAM_PLANE0 + p: byte p of the coded values of every POS_DENSE record whose itemsize
   exceeds p, in record order (byte planes: bytes of equal significance compress far better);
-- STREAM_CONDITIONED: the range-coded positions and values of every POS_CONDITIONED record,
-  ``pos_len`` bytes each, in record order (conditioned.py: coded against the reference's
-  exponents, with model ``pos_k``; such a record has no value stream, val_len and val_k 0).
+- STREAM_CONDITIONED: the coded positions and values of every POS_CONDITIONED record,
+  ``pos_len`` bytes each, in record order (coded against the reference's exponents, with
+  model ``pos_k``: 1 the range coder of conditioned.py, 2 the Rice codes of
+  conditioned_rice.py, 3 conditioned_huffman.py's; such a record has no value stream,
+  val_len and val_k 0).
 
 Sparse records carry ``changed`` values in STREAM_VALUES; dense ones ``length`` in the planes.
 
@@ -51,8 +53,9 @@ What a decoder allocates is bounded by what it received, before it allocates any
   is at most 8 * pos_len / (1 + pos_k) (Rice positions) and 8 * val_len / (1 + val_k): the
   positions and values it decodes are bounded by the wire bytes that carry them;
 - STREAM_CONDITIONED is stored raw too, and each changed element costs at least six
-  adaptive decisions of at least conditioned.MIN_DECISION_BITS each, which bounds a
-  conditioned record's ``changed`` by its ``pos_len`` in the same way (about 60 a byte);
+  adaptive decisions of at least conditioned.MIN_DECISION_BITS each (model 1), or two bits
+  (model 2) or one (model 3) after the stream's header, which bounds a conditioned record's
+  ``changed`` by its ``pos_len`` in the same way (about 60 a byte at most);
 - a chunk decodes at most MAX_DECODED_ELEMS sparse elements (16 bytes of scratch each);
 - the streams' raw lengths add up to at most MAX_RAW_BYTES, and a zstd stream's to at most
   what zstd can expand its wire bytes to (compression.ZSTD_MAX_EXPANSION);
