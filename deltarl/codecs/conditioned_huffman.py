@@ -33,14 +33,12 @@ from deltarl.codecs.conditioned_rice import (
     CHANGE_COST_ELEMS,
     ERRORS,
     MODEL_EXPONENT_HUFFMAN,
-    decode_conditioned_huffman,
-    encode_conditioned_huffman,
+    decode_records,
+    encode_records,
 )
 from deltarl.codecs.conditioned_rice import HEADER_BITS_HUFFMAN as HEADER_BITS
 from deltarl.codecs.conditioned_rice import MIN_BITS_PER_CHANGE_HUFFMAN as MIN_BITS_PER_CHANGE
 
-encode_conditioned = encode_conditioned_huffman
-decode_conditioned = decode_conditioned_huffman
 MODEL = MODEL_EXPONENT_HUFFMAN
 
 __all__ = [
@@ -52,6 +50,16 @@ __all__ = [
     "encode_conditioned",
     "work",
 ]
+
+
+def encode_conditioned(*args: np.ndarray | int) -> None:
+    """Model 3's encoder: conditioned.encode_conditioned's arguments and results."""
+    encode_records(MODEL, *args)
+
+
+def decode_conditioned(*args: np.ndarray | int) -> None:
+    """Model 3's decoder: conditioned.decode_conditioned's arguments, results and bounds."""
+    decode_records(MODEL, *args)
 
 
 def work(lengths: np.ndarray, changed: np.ndarray) -> np.ndarray:

@@ -209,9 +209,14 @@ def _rice_cost(x, k):
 
 
 @njit(cache=True)
-def _best_k(xs, sel, count, total):
-    """The Rice parameter, of those near the one the mean suggests, that codes the numbers
-    ``xs[sel[:count]]`` in the fewest bits (exactly counted)."""
+def _rice_best(xs, start, count):
+    """(parameter, bits) of the Rice code, of the five around the one the mean suggests,
+    that codes ``xs[start : start + count]`` in the fewest bits (exactly counted; the lowest
+    on ties). A contiguous run, a pass per parameter: the compiler vectorises it (one pass
+    for all five, accumulating in an array, was slower)."""
+    total = np.int64(0)
+    for q in range(start, start + count):
+        total += xs[q]
     mean = total // count if count else 0
     k0 = 0
     while k0 < 30 and (np.int64(1) << (k0 + 1)) <= mean:
@@ -220,11 +225,11 @@ def _best_k(xs, sel, count, total):
     best = np.int64(-1)
     for k in range(max(0, k0 - 2), min(31, k0 + 2) + 1):
         bits = np.int64(0)
-        for j in range(count):
-            bits += _rice_cost(xs[sel[j]], k)
+        for q in range(start, start + count):
+            bits += _rice_cost(xs[q], k)
         if best < 0 or bits < best:
             best, best_k = bits, k
-    return best_k
+    return best_k, max(best, 0)
 
 
 @njit(cache=True)
@@ -345,20 +350,19 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
     values = np.empty(c, np.int64)
     for j in range(c):
         values[j] = np.int64(zval[o + j]) - 1
+    # each class's gaps and values as contiguous runs, its parameters chosen over them
+    gc = np.empty(c, np.int64)
+    vc = np.empty(c, np.int64)
+    for q in range(c):
+        gc[q] = gap[members[q]]
+        vc[q] = values[members[q]]
     kg = np.zeros(CLASSES, np.int64)
     kv = np.zeros(CLASSES, np.int64)
     for k in range(CLASSES):
         m = in_class[k + 1] - in_class[k]
-        if m == 0:
-            continue
-        sel = members[in_class[k] : in_class[k + 1]]
-        gsum = np.int64(0)
-        vsum = np.int64(0)
-        for q in range(m):
-            gsum += gap[sel[q]]
-            vsum += values[sel[q]]
-        kg[k] = _best_k(gap, sel, m, gsum)
-        kv[k] = _best_k(values, sel, m, vsum)
+        if m:
+            kg[k], _ = _rice_best(gc, in_class[k], m)
+            kv[k], _ = _rice_best(vc, in_class[k], m)
     # 4) each change's successor within its exponent (-1: none), each exponent's first
     succ, later, changes, lo, hi = _successors(ex, c)
     # 5) the stream
@@ -382,7 +386,8 @@ def _encode_item(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def encode_conditioned(
+def encode_records(
+    model,  # MODEL_EXPONENT_RICE or MODEL_EXPONENT_HUFFMAN
     ref,  # flat uintN view of the reference
     starts,  # int64[n]: first element of each item in the flat view
     lengths,  # int64[n]
@@ -399,8 +404,9 @@ def encode_conditioned(
     order,  # int64[n]: the items, thread by thread (kernels.deal)
     bounds,  # int64[threads + 1]
 ):
-    """The same arguments and results as conditioned.encode_conditioned, so the encoder
-    calls either."""
+    """Model 2's or model 3's encode_conditioned (the encoder calls them by those names,
+    below and in conditioned_huffman.py): after ``model``, the same arguments and results as
+    conditioned.encode_conditioned."""
     for th in prange(bounds.shape[0] - 1):
         for q in range(bounds[th], bounds[th + 1]):
             i = order[q]
@@ -408,6 +414,25 @@ def encode_conditioned(
                 sizes[i] = 0
                 continue
             d0 = cap_off[i]
+            if model == MODEL_EXPONENT_HUFFMAN:
+                sizes[i] = (
+                    _encode_item_huffman(
+                        ref,
+                        starts[i],
+                        lengths[i],
+                        pos,
+                        zval,
+                        out_off[i],
+                        counts[i],
+                        shift,
+                        mask,
+                        dst,
+                        d0,
+                        d0 + cap[i],
+                    )
+                    - d0
+                )
+                continue
             sizes[i] = (
                 _encode_item(
                     ref,
@@ -507,7 +532,8 @@ def _decode_record(ref, b, n, src, r0, end, c, o, shift, mask, vmax, positions, 
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def decode_conditioned(
+def decode_records(
+    model,  # MODEL_EXPONENT_RICE or MODEL_EXPONENT_HUFFMAN
     ref,  # flat uintN view of the reference the frame's base names
     bases,  # int64[n]: each record's first element in that view
     lengths,  # int64[n]
@@ -534,6 +560,23 @@ def decode_conditioned(
     for th in prange(bounds.shape[0] - 1):
         for q in range(bounds[th], bounds[th + 1]):
             i = order[q]
+            if model == MODEL_EXPONENT_HUFFMAN:
+                errors[i] = _decode_record_huffman(
+                    ref,
+                    bases[i],
+                    lengths[i],
+                    src,
+                    src_off[i],
+                    src_off[i] + src_len[i],
+                    counts[i],
+                    out_off[i],
+                    shift,
+                    mask,
+                    vmax,
+                    positions,
+                    zval,
+                )
+                continue
             errors[i] = _decode_record(
                 ref,
                 bases[i],
@@ -660,30 +703,6 @@ def _window(vx, start, count):
         if hi - q > most:
             most, base = hi - q, sample[q]
     return base
-
-
-@njit(cache=True)
-def _rice_best(xs, start, count):
-    """(parameter, bits) of the Rice code, of the five around the one the mean suggests,
-    that codes ``xs[start : start + count]`` in the fewest bits (exactly counted; the lowest
-    on ties): _best_k's choice, over a contiguous run (a pass per parameter, which the
-    compiler vectorises; one pass for all five, accumulating in an array, was slower)."""
-    total = np.int64(0)
-    for q in range(start, start + count):
-        total += xs[q]
-    mean = total // count if count else 0
-    k0 = 0
-    while k0 < 30 and (np.int64(1) << (k0 + 1)) <= mean:
-        k0 += 1
-    best_k = 0
-    best = np.int64(-1)
-    for k in range(max(0, k0 - 2), min(31, k0 + 2) + 1):
-        bits = np.int64(0)
-        for q in range(start, start + count):
-            bits += _rice_cost(xs[q], k)
-        if best < 0 or bits < best:
-            best, best_k = bits, k
-    return best_k, max(best, 0)
 
 
 @njit(cache=True)
@@ -838,51 +857,6 @@ def _encode_item_huffman(ref, s, n, pos, zval, o, c, shift, mask, dst, d, end):
         if succ[j] >= 0 and not inverted[x]:
             st = _put_rice(dst, end, st, gap[succ[j]], kg[_class(x, low)])
     return _flush(dst, end, st)
-
-
-@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def encode_conditioned_huffman(
-    ref,
-    starts,
-    lengths,
-    out_off,
-    counts,
-    pos,
-    zval,
-    shift,
-    mask,
-    dst,
-    cap_off,
-    cap,
-    sizes,
-    order,
-    bounds,
-):
-    """Model 3's encode_conditioned: the same arguments and results."""
-    for th in prange(bounds.shape[0] - 1):
-        for q in range(bounds[th], bounds[th + 1]):
-            i = order[q]
-            if counts[i] == 0:
-                sizes[i] = 0
-                continue
-            d0 = cap_off[i]
-            sizes[i] = (
-                _encode_item_huffman(
-                    ref,
-                    starts[i],
-                    lengths[i],
-                    pos,
-                    zval,
-                    out_off[i],
-                    counts[i],
-                    shift,
-                    mask,
-                    dst,
-                    d0,
-                    d0 + cap[i],
-                )
-                - d0
-            )
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -1050,41 +1024,15 @@ def _decode_record_huffman(  # noqa: PLR0911 - a kernel cannot raise: each refus
     return error
 
 
-@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def decode_conditioned_huffman(
-    ref,
-    bases,
-    lengths,
-    src,
-    src_off,
-    src_len,
-    counts,
-    out_off,
-    shift,
-    mask,
-    vmax,
-    positions,
-    zval,
-    errors,
-    order,
-    bounds,
-):
-    """Model 3's decode_conditioned: the same arguments, results and bounds."""
-    for th in prange(bounds.shape[0] - 1):
-        for q in range(bounds[th], bounds[th + 1]):
-            i = order[q]
-            errors[i] = _decode_record_huffman(
-                ref,
-                bases[i],
-                lengths[i],
-                src,
-                src_off[i],
-                src_off[i] + src_len[i],
-                counts[i],
-                out_off[i],
-                shift,
-                mask,
-                vmax,
-                positions,
-                zval,
-            )
+# -- model 2 under the names the encoder and decoder call a model by (model 3's: in
+# conditioned_huffman.py) ----------------------------------------------------------------
+
+
+def encode_conditioned(*args: np.ndarray | int) -> None:
+    """Model 2's encoder: conditioned.encode_conditioned's arguments and results."""
+    encode_records(MODEL_EXPONENT_RICE, *args)
+
+
+def decode_conditioned(*args: np.ndarray | int) -> None:
+    """Model 2's decoder: conditioned.decode_conditioned's arguments, results and bounds."""
+    decode_records(MODEL_EXPONENT_RICE, *args)
