@@ -233,10 +233,17 @@ def _rice_best(xs, start, count):
 
 
 @njit(cache=True)
-def _put_count(dst, end, st, x):
+def _count_length(x):
+    """The bit length _put_count writes for ``x`` (at most COUNT_LENGTH_MAX)."""
     nb = 0
     while nb < COUNT_LENGTH_MAX and (np.int64(1) << nb) <= x:
         nb += 1
+    return nb
+
+
+@njit(cache=True)
+def _put_count(dst, end, st, x):
+    nb = _count_length(x)
     st = _put(dst, end, st, np.int64(nb), COUNT_LENGTH_BITS)
     if nb > 1:
         rest = x & ((np.int64(1) << (nb - 1)) - 1)
@@ -471,6 +478,20 @@ def _get_count(src, end, st):
     return st, (np.int64(1) << (nb - 1)) | rest
 
 
+@njit(cache=True)
+def _end_error(st, r0, end, j, c):
+    """A record's walk ended with the reader at bit ``st`` and ``j`` of its ``c`` changes
+    decoded: OK if the stream (bytes r0 to end) holds exactly that, else why not."""
+    used = st - 8 * r0  # bits read
+    if used > 8 * (end - r0):
+        return EXHAUSTED
+    if j < c:
+        return OUT_OF_RANGE
+    if (used + 7) // 8 < end - r0:
+        return TRAILING
+    return OK
+
+
 @njit(cache=True, boundscheck=False, nogil=True)
 def _decode_record(ref, b, n, src, r0, end, c, o, shift, mask, vmax, positions, zval):
     st = 8 * r0  # the reader's state: the next bit's offset in src
@@ -520,15 +541,7 @@ def _decode_record(ref, b, n, src, r0, end, c, o, shift, mask, vmax, positions, 
         else:
             g -= 1
         left[x] = g
-    used = st - 8 * r0  # bits read
-    error = OK
-    if used > 8 * (end - r0):
-        error = EXHAUSTED
-    elif j < c:
-        error = OUT_OF_RANGE
-    elif (used + 7) // 8 < end - r0:
-        error = TRAILING
-    return error
+    return _end_error(st, r0, end, j, c)
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -599,16 +612,13 @@ def decode_records(
 # On real RL deltas a changed element's value is nearly fixed by its exponent (the step is
 # about the learning rate, so its size in ulps doubles per exponent down): per exponent a
 # few values and their signs, which a Huffman code over a window of values codes in about
-# two bits where model 2's Rice code per class of exponents spends three to four.
+# two bits where model 2's Rice code per class of exponents spends 2.5 to 4.
 
 
 @njit(cache=True)
 def _count_bits(x):
     """Bits _put_count spends on ``x``."""
-    nb = 0
-    while nb < COUNT_LENGTH_MAX and (np.int64(1) << nb) <= x:
-        nb += 1
-    return COUNT_LENGTH_BITS + max(nb - 1, 0)
+    return COUNT_LENGTH_BITS + max(_count_length(x) - 1, 0)
 
 
 @njit(cache=True)
@@ -1008,14 +1018,7 @@ def _decode_record_huffman(  # noqa: PLR0911 - a kernel cannot raise: each refus
                 left[x] = g
             else:
                 left[x] = _NONE
-    used = st - 8 * r0
-    error = OK
-    if used > 8 * (end - r0):
-        error = EXHAUSTED
-    elif j < c:
-        error = OUT_OF_RANGE
-    elif (used + 7) // 8 < end - r0:
-        error = TRAILING
+    error = _end_error(st, r0, end, j, c)
     for x in range(lo, hi + 1):
         # an inverted exponent's unchanged members all met (the last one leaves run at
         # _NONE, less the changes after it): none was claimed past the range's end
