@@ -150,7 +150,9 @@ def _check_conditioned(where: str, r: RecordHeader, dtype: str) -> None:
     if r.val_coding != VAL_ORDERED_DELTA:
         raise FrameError(f"{where}: a conditioned record must carry ordered-delta values")
     if r.pos_k != conditioned.MODEL_EXPONENT:
-        # Every change costs at least two codes of a bit or more, after the header.
+        # Every change costs at least the model's MIN_BITS_PER_CHANGE after its header (two
+        # Rice codes of a bit or more in model 2; a value's code of a bit or more in model 3,
+        # where an inverted exponent's changes cost no position bits).
         coder = CONDITIONED_MODELS[r.pos_k]
         room = 8 * r.pos_len - coder.HEADER_BITS
         most = max(room, 0) // coder.MIN_BITS_PER_CHANGE
