@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Literal, Self
 import numpy as np
 
 from deltarl.engine.layout import Layout
+from deltarl.engine.tensor_digest_table import read_table
 from deltarl.engine.version_pointer import VersionPointer
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ def take_lease(
     *,
     timeout: float | None,
     name: str,
+    digest_tables: Sequence[np.ndarray] | None = None,
 ) -> Snapshot:
     """The reader's side of the protocol (weight_store.py): pin the active version via ``fd``.
 
@@ -187,6 +189,11 @@ def take_lease(
                     version=version,
                     digest=pointer.digest(index),
                     pointer=pointer,
+                    digest_table=(
+                        digest_tables[index]
+                        if digest_tables is not None and pointer.has_tensor_digests(index)
+                        else None
+                    ),
                 )
             unlock(fd, LOCK_BUFFER[index])
             continue  # a flip raced us: retry at once
@@ -219,10 +226,13 @@ class Snapshot:
         version: int,
         digest: str | None = None,
         pointer: VersionPointer | None = None,
+        digest_table: np.ndarray | None = None,
     ) -> None:
         self.version = version
         self.digest = digest
         """The model digest committed with this version (its manifest's), or None."""
+        # Read on demand, under the lease: the table is frozen with the buffer (I2).
+        self._digest_table = digest_table
         self.index = index  # which of the two buffers
         self.generation = generation  # of the pointer word when the lease was taken
         self.layout = layout
@@ -268,6 +278,16 @@ class Snapshot:
         if self.released:
             raise RuntimeError(f"the lease on version {self.version} was released")
         return self._buffer
+
+    @property
+    def tensor_digests(self) -> list[str] | None:
+        """The writer's xxh3-128 of each tensor of this version, in layout order, committed
+        with it (``WriteTxn.commit``); None where it committed none or the segment keeps
+        none. Read under the lease; check ``revoked`` after, as for the bytes."""
+        if self._digest_table is None:
+            return None
+        self.buffer  # noqa: B018 - raises once the lease is released
+        return read_table(self._digest_table, len(self.layout))
 
     def array(self, name_or_id: str | int) -> np.ndarray:
         """One tensor's read-only bit view (unsigned ints of its element size)."""

@@ -8,6 +8,8 @@ existing one is stale (its creator is gone and nobody holds it) and may be remov
     offset 4096   layout table: ``Layout.to_json()``, padded to a page
     buffer 0      ``layout.nbytes`` bytes, page aligned
     buffer 1      ``layout.nbytes`` bytes, page aligned
+    digests 0     buffer 0's tensor digests: 16 bytes a tensor, in layout order, page aligned
+    digests 1     buffer 1's
 
 Header fixed fields (little-endian, written once before the file gets its public name):
 
@@ -21,6 +23,8 @@ Header fixed fields (little-endian, written once before the file gets its public
     64  created_ns       u64
     72  layout_offset, layout_nbytes, buffer0_offset, buffer1_offset, buffer_nbytes,
         file_nbytes      6 x u64
+    120 digests_offset, digests_stride   2 x u64: where buffer 0's tensor digest table lies
+        and how far buffer 1's lies after it; both zero in a segment without tables
 
 Invariant: bytes 0-71 keep this meaning in every format version, so any deltarl can recognise
 a segment, name its format version in an error, and judge whether its creator is alive.
@@ -32,7 +36,16 @@ The live words (native-endian uint64, each on its own cache line; see version_po
     320  buffer 1: state, version, model digest (high, low), digest set
 
 The digest words were zero and unread before they were used, so a segment of an older deltarl
-reads as "no digest" and the format version did not change.
+reads as "no digest" and the format version did not change. So were bytes 120-135 and the
+file past buffer 1: a segment of an older deltarl has no tensor digest tables (its writers
+commit none, its readers hash the bytes), and an older deltarl maps a newer segment's
+buffers as before and never looks past them.
+
+A tensor digest table holds the xxh3-128 of each tensor of its buffer's version as the writer
+committed it (big-endian, as ``tensor_digest``'s hex reads): the trainer's own digests of the
+bytes it wrote, so the export agent need not hash the model again, and a change to the
+published bytes after the commit is caught by every receiver. Whether a buffer's table holds
+its version's digests is one of its live words (version_pointer.py).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from pathlib import Path
 
 from deltarl.engine import leases
 from deltarl.engine.layout import Layout
+from deltarl.engine.tensor_digest_table import DIGEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +77,7 @@ MAX_NAME = 200
 
 _IDENTITY = struct.Struct("<8sIIQQ16s16sQ")  # bytes 0-71, stable across format versions
 _GEOMETRY = struct.Struct("<6Q")  # bytes 72-119
+_DIGEST_TABLES = struct.Struct("<2Q")  # bytes 120-135
 GONE = "no longer exists"
 _CREATE_ATTEMPTS = 3
 _ATTACH_WAIT_S = 1.0  # a cleaner holds the attach byte for microseconds
@@ -87,13 +102,20 @@ class SegmentHeader:
     buffer_offsets: tuple[int, int]
     buffer_nbytes: int
     file_nbytes: int
+    digests_offset: int = 0
+    """Buffer 0's tensor digest table; 0 in a segment of an older deltarl, which has none."""
+    digests_stride: int = 0
+    """From buffer 0's table to buffer 1's (page aligned)."""
 
     @classmethod
-    def plan(cls, layout_json: bytes, buffer_nbytes: int) -> SegmentHeader:
-        """A fresh header for this process, placing the layout table and both buffers."""
+    def plan(cls, layout_json: bytes, buffer_nbytes: int, tensors: int) -> SegmentHeader:
+        """A fresh header for this process, placing the layout table, both buffers and their
+        tensor digest tables (``tensors`` digests each)."""
         layout_offset = HEADER_NBYTES
         buf0 = layout_offset + page_align(len(layout_json))
         buf1 = buf0 + page_align(buffer_nbytes)
+        digests = buf1 + page_align(buffer_nbytes)
+        stride = page_align(tensors * DIGEST_BYTES)
         pid = os.getpid()
         return cls(
             creator_pid=pid,
@@ -105,7 +127,9 @@ class SegmentHeader:
             layout_nbytes=len(layout_json),
             buffer_offsets=(buf0, buf1),
             buffer_nbytes=buffer_nbytes,
-            file_nbytes=buf1 + page_align(buffer_nbytes),
+            file_nbytes=digests + 2 * stride,
+            digests_offset=digests,
+            digests_stride=stride,
         )
 
     def pack(self) -> bytes:
@@ -126,12 +150,12 @@ class SegmentHeader:
             self.buffer_nbytes,
             self.file_nbytes,
         )
-        return identity + geometry
+        return identity + geometry + _DIGEST_TABLES.pack(self.digests_offset, self.digests_stride)
 
     @classmethod
     def unpack(cls, data: bytes, path: Path, *, check_version: bool = True) -> SegmentHeader:
         """Parse and check a header read from ``path``; errors name the file and the fault."""
-        if len(data) < _IDENTITY.size + _GEOMETRY.size:
+        if len(data) < _IDENTITY.size + _GEOMETRY.size + _DIGEST_TABLES.size:
             raise SegmentFormatError(
                 f"{path}: not a deltarl weight store (only {len(data)} bytes, "
                 f"shorter than a segment header)"
@@ -152,11 +176,30 @@ class SegmentHeader:
         if not check_version:
             return header  # identity only: the geometry of another version is not ours to read
         lay_off, lay_n, buf0, buf1, buf_n, file_n = _GEOMETRY.unpack_from(data, _IDENTITY.size)
+        dig_off, dig_stride = _DIGEST_TABLES.unpack_from(data, _IDENTITY.size + _GEOMETRY.size)
         header = cls(
-            pid, start, boot, creation, created, lay_off, lay_n, (buf0, buf1), buf_n, file_n
+            pid,
+            start,
+            boot,
+            creation,
+            created,
+            lay_off,
+            lay_n,
+            (buf0, buf1),
+            buf_n,
+            file_n,
+            dig_off,
+            dig_stride,
+        )
+        tables_ok = (dig_off, dig_stride) == (0, 0) or (
+            not dig_off % PAGE
+            and not dig_stride % PAGE
+            and dig_off >= buf1 + buf_n
+            and file_n >= dig_off + 2 * dig_stride
         )
         if (
-            header_nbytes != HEADER_NBYTES
+            not tables_ok
+            or header_nbytes != HEADER_NBYTES
             or lay_off < HEADER_NBYTES
             or buf0 % PAGE
             or buf1 % PAGE
@@ -167,7 +210,7 @@ class SegmentHeader:
             raise SegmentFormatError(
                 f"{path}: corrupt weight store header (header {header_nbytes} bytes, layout at "
                 f"{lay_off}+{lay_n}, buffers at {buf0} and {buf1} of {buf_n} bytes, "
-                f"file {file_n} bytes)"
+                f"tensor digests at {dig_off} every {dig_stride} bytes, file {file_n} bytes)"
             )
         return header
 
@@ -180,6 +223,11 @@ class SegmentHeader:
             raise SegmentFormatError(
                 f"{path}: layout table says {layout.nbytes} bytes per buffer, "
                 f"header says {self.buffer_nbytes}"
+            )
+        if self.digests_stride and self.digests_stride < len(layout) * DIGEST_BYTES:
+            raise SegmentFormatError(
+                f"{path}: tensor digest tables of {self.digests_stride} bytes cannot hold "
+                f"{len(layout)} tensors' digests"
             )
         return layout
 

@@ -23,6 +23,7 @@ POINTER_WORD = 24  # byte 192
 META_WORDS: tuple[int, int] = (32, 40)  # bytes 256 and 320: [state, version] of each buffer
 DIGEST_OFFSET = 2  # then [digest high, digest low, digest set] on the same cache line
 REVOKED_OFFSET = 5  # then the buffer's lease revocations (I4 in weight_store.py)
+TENSOR_DIGESTS_OFFSET = 6  # then which version its tensor digest table holds, plus one
 
 
 class BufferState(enum.IntEnum):
@@ -104,6 +105,23 @@ class VersionPointer:
         if not int(self._words[at + 2]):
             return None
         return f"{int(self._words[at]) << 64 | int(self._words[at + 1]):032x}"
+
+    def set_tensor_digests(self, index: int, version: int | None) -> None:
+        """Record which version's digests buffer ``index``'s tensor digest table (segment.py)
+        holds: ``version`` after the table is written, None for a version committed without
+        them; before the buffer is marked READY, under the same locks as ``mark``.
+
+        The word names the version (plus one; zero is "none") rather than a flag so that a
+        writer of an older deltarl, which commits without touching it, cannot leave the
+        digests of an earlier version standing for the bytes of its own."""
+        at = META_WORDS[index] + TENSOR_DIGESTS_OFFSET
+        self._words[at] = np.uint64(0 if version is None else version + 1)
+
+    def has_tensor_digests(self, index: int) -> bool:
+        """Whether buffer ``index``'s tensor digest table holds its version's digests (never
+        in a segment of an older deltarl, whose word was unused)."""
+        held = int(self._words[META_WORDS[index] + TENSOR_DIGESTS_OFFSET])
+        return held == self.version(index) + 1
 
     def revocations(self, index: int) -> int:
         """How many times the writer revoked the leases on buffer ``index`` (zero in a segment

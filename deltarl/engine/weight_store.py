@@ -150,6 +150,19 @@ class WeightStore:
             np.frombuffer(self._mm, dtype=np.uint8, count=header.buffer_nbytes, offset=off)
             for off in header.buffer_offsets
         )
+        # Each buffer's tensor digest table (segment.py); None in a segment without them.
+        self._tables: tuple[np.ndarray, np.ndarray] | None = None
+        if header.digests_stride:
+            t0, t1 = (
+                np.frombuffer(
+                    self._mm,
+                    dtype=np.uint8,
+                    count=header.digests_stride,
+                    offset=header.digests_offset + i * header.digests_stride,
+                )
+                for i in (0, 1)
+            )
+            self._tables = (t0, t1)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -177,7 +190,7 @@ class WeightStore:
         try:
             leases.try_lock(fd, LOCK_ATTACH, exclusive=False)  # nobody else knows the file yet
             os.fchmod(fd, mode)  # os.open's mode went through the umask; the caller's is explicit
-            header = SegmentHeader.plan(table, layout.nbytes)
+            header = SegmentHeader.plan(table, layout.nbytes, len(layout))
             allocate(fd, header.file_nbytes, name)  # zeros: pointer "none", buffers EMPTY
             os.pwrite(fd, header.pack(), 0)
             os.pwrite(fd, table, header.layout_offset)
@@ -238,7 +251,7 @@ class WeightStore:
         if self._closed:
             return
         self._closed = True
-        del self._pointer, self._bufs
+        del self._pointer, self._bufs, self._tables
         try:
             self._mm.close()
         except BufferError:
@@ -305,7 +318,13 @@ class WeightStore:
         views = (self._readonly_view(0), self._readonly_view(1))
         try:
             return take_lease(
-                fd, self._pointer, views, self.layout, timeout=timeout, name=self.name
+                fd,
+                self._pointer,
+                views,
+                self.layout,
+                timeout=timeout,
+                name=self.name,
+                digest_tables=self._tables,
             )
         except BaseException:
             os.close(fd)
@@ -377,6 +396,7 @@ class WeightStore:
             base_version=pointer.ready_version(target),
             fd=fd,
             revoked=revoked,
+            digest_table=None if self._tables is None else self._tables[target],
         )
 
     def _take_writer_lock(self, fd: int, timeout: float | None, what: str) -> None:
@@ -451,6 +471,10 @@ class WeightStore:
                 "active": i == active,
                 # Only whether it is held: OFD locks carry no pid, and the kernel names one.
                 "lock": leases.holder(self._fd, LOCK_BUFFER[i]),
+                # Whether the writer committed its tensor digests with the version (a hint).
+                "tensor_digests": pointer.ready_version(i) is not None
+                and self._tables is not None
+                and pointer.has_tensor_digests(i),
             }
             for i in (0, 1)
         ]

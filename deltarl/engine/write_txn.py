@@ -23,12 +23,15 @@ import logging
 import operator
 import os
 import weakref
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Self
 
 import numpy as np
 
+from deltarl.codecs.checksum import model_digest
 from deltarl.engine.layout import Layout
+from deltarl.engine.tensor_digest_table import pack_digests, write_table
 from deltarl.engine.version_pointer import BufferState, VersionPointer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ class WriteTxn:
         base_version: int | None,
         fd: int,
         revoked: bool = False,
+        digest_table: np.ndarray | None = None,
     ) -> None:
         self.name = name
         self.revoked = revoked
@@ -64,6 +68,7 @@ class WriteTxn:
         self.index = index  # the target buffer
         self._pointer = pointer
         self._target = target
+        self._table = digest_table  # the target's tensor digests; None: the segment has none
         self._active = active
         self._active_index = active_index
         self._base_version = base_version
@@ -114,13 +119,24 @@ class WriteTxn:
         self._touch()
         self._base_version = version
 
-    def commit(self, version: int, *, allow_older: bool = False, digest: str | None = None) -> None:
+    def commit(
+        self,
+        version: int,
+        *,
+        allow_older: bool = False,
+        digest: str | None = None,
+        tensor_digests: Sequence[str] | None = None,
+    ) -> None:
         """Mark the target READY as ``version`` and make it active, all at once for readers.
 
         ``version`` must exceed the active version unless ``allow_older`` (a deliberate
         downgrade, e.g. a full resync to an older checkpoint). ``digest``: the model digest
         of the manifest these bytes were verified against (``Snapshot.digest`` for readers),
         so a reader proves what it loaded under its own lease, asking nobody.
+        ``tensor_digests``: the writer's xxh3-128 of each tensor it wrote, in layout order
+        (``Snapshot.tensor_digests``: the export agent sends them instead of hashing the
+        model again); the model digest is then theirs, and a ``digest`` given too must equal
+        it. Both are checked before anything changes.
         """
         self._check_live()
         try:
@@ -135,7 +151,7 @@ class WriteTxn:
                 f"version {version} does not increase over the active version {current}; "
                 f"pass allow_older=True to make it active anyway"
             )
-        self._pointer.set_digest(self.index, digest)  # with the bytes, before READY
+        self._record_digests(version, digest, tensor_digests)  # with the bytes, before READY
         self._pointer.mark(self.index, BufferState.READY, version)  # I1: READY before the flip
         self._pointer.flip(self.index)
         self._close_fd()  # unlock only after the last store (see "Memory ordering")
@@ -155,9 +171,36 @@ class WriteTxn:
                 f"cannot settle version {version} in the inactive buffer: the active version "
                 f"is {current}"
             )
-        self._pointer.set_digest(self.index, digest)
+        self._record_digests(version, digest, None)
         self._pointer.mark(self.index, BufferState.READY, version)  # I1: never flipped to here
         self._close_fd()
+
+    def _record_digests(
+        self, version: int, digest: str | None, tensor_digests: Sequence[str] | None
+    ) -> None:
+        """The target's digest words and tensor digest table, for the version it now holds.
+        Everything is checked before the first word changes: a refused commit leaves the
+        transaction open and the target's words as they were."""
+        packed = None
+        if tensor_digests is not None:
+            if len(tensor_digests) != len(self.layout):
+                raise ValueError(
+                    f"{len(tensor_digests)} tensor digests for a layout of "
+                    f"{len(self.layout)} tensors"
+                )
+            packed = pack_digests(tensor_digests)
+            whole = model_digest(tensor_digests)
+            if digest is not None and digest != whole:
+                raise ValueError(
+                    f"model digest {digest} is not the one of the tensor digests given ({whole})"
+                )
+            digest = whole
+        self._pointer.set_digest(self.index, digest)
+        if packed is not None and self._table is not None:
+            write_table(self._table, packed)
+            self._pointer.set_tensor_digests(self.index, version)
+        else:
+            self._pointer.set_tensor_digests(self.index, None)
 
     def abort(self) -> None:
         """End without committing; the active version stays as it was. Idempotent."""

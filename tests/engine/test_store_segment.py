@@ -26,18 +26,56 @@ LAYOUT = Layout.pack([("a", "bfloat16", (3, 5)), ("b", "int32", (7,))])
 
 def test_header_round_trip(tmp_path: Path) -> None:
     table = LAYOUT.to_json()
-    header = SegmentHeader.plan(table, LAYOUT.nbytes)
+    header = SegmentHeader.plan(table, LAYOUT.nbytes, len(LAYOUT))
     assert header.creator_pid == os.getpid()
     assert header.layout_offset == HEADER_NBYTES
     assert header.buffer_offsets[0] % PAGE == 0
     assert header.buffer_offsets[1] % PAGE == 0
     assert header.buffer_offsets[1] >= header.buffer_offsets[0] + LAYOUT.nbytes
+    assert header.digests_offset >= header.buffer_offsets[1] + LAYOUT.nbytes
+    assert header.digests_offset % PAGE == 0
+    assert header.digests_stride == PAGE  # two tensors' digests, a page each buffer
+    assert header.file_nbytes == header.digests_offset + 2 * PAGE
     assert SegmentHeader.unpack(header.pack(), tmp_path) == header
     assert header.parse_layout(table, tmp_path) == LAYOUT
 
 
+def test_a_header_without_digest_tables_reads_as_having_none(tmp_path: Path) -> None:
+    """A segment of an older deltarl: bytes 120-135 zero, the file ending after buffer 1."""
+    planned = SegmentHeader.plan(LAYOUT.to_json(), LAYOUT.nbytes, len(LAYOUT))
+    data = bytearray(planned.pack())
+    data[120:136] = bytes(16)
+    data[112:120] = planned.digests_offset.to_bytes(8, "little")  # file_nbytes: no tables
+    header = SegmentHeader.unpack(bytes(data), tmp_path)
+    assert (header.digests_offset, header.digests_stride) == (0, 0)
+    assert header.parse_layout(LAYOUT.to_json(), tmp_path) == LAYOUT
+
+
+@pytest.mark.parametrize(
+    ("at", "value"),
+    [
+        (120, 4097),  # tables off their page
+        (120, 4096),  # tables inside the layout table and buffers
+        (128, 100),  # a stride that is not whole pages
+        (128, 1 << 40),  # tables past the end of the file
+    ],
+)
+def test_corrupt_digest_tables_are_refused(tmp_path: Path, at: int, value: int) -> None:
+    data = bytearray(SegmentHeader.plan(LAYOUT.to_json(), LAYOUT.nbytes, len(LAYOUT)).pack())
+    data[at : at + 8] = value.to_bytes(8, "little")
+    with pytest.raises(SegmentFormatError, match="corrupt weight store header"):
+        SegmentHeader.unpack(bytes(data), tmp_path)
+
+
+def test_digest_tables_too_small_for_the_layout_are_refused(tmp_path: Path) -> None:
+    many = Layout.pack([(f"t{i}", "bfloat16", (2,)) for i in range(300)])  # 4800 bytes
+    header = SegmentHeader.plan(many.to_json(), many.nbytes, 10)
+    with pytest.raises(SegmentFormatError, match="cannot hold 300 tensors"):
+        header.parse_layout(many.to_json(), tmp_path)
+
+
 def test_header_identity_is_readable_across_versions(tmp_path: Path) -> None:
-    data = bytearray(SegmentHeader.plan(b"{}", 0).pack())
+    data = bytearray(SegmentHeader.plan(b"{}", 0, 0).pack())
     data[8:12] = (2).to_bytes(4, "little")
     with pytest.raises(SegmentFormatError, match="format version 2"):
         SegmentHeader.unpack(bytes(data), tmp_path)
@@ -46,14 +84,14 @@ def test_header_identity_is_readable_across_versions(tmp_path: Path) -> None:
 
 
 def test_corrupt_geometry_is_refused(tmp_path: Path) -> None:
-    data = bytearray(SegmentHeader.plan(LAYOUT.to_json(), LAYOUT.nbytes).pack())
+    data = bytearray(SegmentHeader.plan(LAYOUT.to_json(), LAYOUT.nbytes, len(LAYOUT)).pack())
     data[88:96] = (4097).to_bytes(8, "little")  # buffer 0 off its page
     with pytest.raises(SegmentFormatError, match="corrupt weight store header"):
         SegmentHeader.unpack(bytes(data), tmp_path)
 
 
 def test_layout_table_must_match_the_header(tmp_path: Path) -> None:
-    header = SegmentHeader.plan(LAYOUT.to_json(), LAYOUT.nbytes + 64)
+    header = SegmentHeader.plan(LAYOUT.to_json(), LAYOUT.nbytes + 64, len(LAYOUT))
     with pytest.raises(SegmentFormatError, match="layout table says"):
         header.parse_layout(LAYOUT.to_json(), tmp_path)
     with pytest.raises(SegmentFormatError, match="corrupt layout table"):

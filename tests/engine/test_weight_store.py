@@ -379,6 +379,7 @@ def test_status_reports_buffers_and_locks(store: WeightStore, tmp_path: Path) ->
         "version": 1,
         "active": True,
         "lock": "shared",
+        "tensor_digests": False,  # commit_pattern commits none
     }
     assert st["buffers"][1]["state"] == BufferState.EMPTY.name
     assert not st["attached_elsewhere"]
