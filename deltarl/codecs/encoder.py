@@ -29,7 +29,7 @@ the reference as gone until the version is delivered (deltarl/refit/export.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -203,6 +203,7 @@ class DeltaEncoder:
         base_version: int | None = None,
         first_chunk_id: int = 0,
         advance: bool = False,
+        tensor_digests: Sequence[str] | None = None,
     ) -> VersionEncoding:
         """Encode ``cur`` as a delta against ``ref`` (base_version), or in full if ref is None.
 
@@ -215,6 +216,13 @@ class DeltaEncoder:
         wave is coded, so that ``ref`` holds exactly ``cur``'s bytes (every tensor's) when the
         iteration is exhausted: a sparse write of what changed instead of a copy of the
         model. Stopped early, ``ref`` is part one version, part the other: unusable.
+
+        ``tensor_digests``: the xxh3-128 of each of ``cur``'s tensors, in layout order, as the
+        trainer committed them with the version (``Snapshot.tensor_digests``); the manifest
+        lists them instead of the encoder's own hash of ``cur`` (a pass over the model on the
+        refit's path). They are not checked here: every receiver checks its bytes against
+        them, so a ``cur`` that is not what the trainer hashed is refused there, not sent on
+        as the trainer's.
         """
         if not 0 <= first_chunk_id < 1 << 32:
             raise ValueError(f"first_chunk_id must lie in [0, 2**32), got {first_chunk_id}")
@@ -233,9 +241,20 @@ class DeltaEncoder:
                     f"a delta needs a base version below its target {target_version}, "
                     f"got {base_version}"
                 )
+        if tensor_digests is not None and len(tensor_digests) != len(self.layout):
+            raise ValueError(
+                f"{len(tensor_digests)} tensor digests for a layout of {len(self.layout)} tensors"
+            )
         enc = VersionEncoding(iter(()))
         enc._chunks = self._run(
-            enc, cur, ref, target_version, base_version, first_chunk_id, advance=advance
+            enc,
+            cur,
+            ref,
+            target_version,
+            base_version,
+            first_chunk_id,
+            advance=advance,
+            digests=None if tensor_digests is None else list(tensor_digests),
         )
         return enc
 
@@ -251,6 +270,7 @@ class DeltaEncoder:
         first_id: int = 0,
         *,
         advance: bool = False,
+        digests: list[str] | None = None,
     ) -> Iterator[Chunk]:
         kind = KIND_FULL if ref is None else KIND_DELTA
         tallies = [TensorTally() for _ in self.layout.tensors]
@@ -287,12 +307,14 @@ class DeltaEncoder:
                 yield flush()
         if not entries:  # every version has at least one chunk: it names the version
             yield flush()
-        # Every tensor's digest, in one call, once every chunk has left: the hash (a pass over
-        # the model, 14 ms for 98M parameters on two threads) holds no chunk back, and runs
-        # while the link drains the last chunks and the receivers apply them. Only the
-        # manifest waits for it.
+        # Every tensor's digest, the trainer's if it gave them; else in one call, once every
+        # chunk has left: the hash (a pass over the model, 14 ms for 98M parameters on two
+        # threads) holds no chunk back, and runs while the link drains the last chunks and
+        # the receivers apply them. Only the manifest waits for it.
         t0 = time.perf_counter()
-        for tally, digest in zip(tallies, tensor_digests(self.layout, cur), strict=True):
+        if digests is None:
+            digests = tensor_digests(self.layout, cur)
+        for tally, digest in zip(tallies, digests, strict=True):
             tally.digest = digest
         enc.timings.checksum_s += time.perf_counter() - t0
 

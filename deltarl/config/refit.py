@@ -29,6 +29,11 @@ class TrainerConfig(DaemonTable):
     steps: int = 0
     """Stop stepping after this many steps (keep serving); 0: never stop."""
     seed: int = 0
+    tensor_digests: bool = True
+    """Commit each tensor's digest with every version, as the trainer's publisher does
+    (deltarl/trainer/publisher.py): the export agent sends them instead of hashing the model.
+    False: it commits none, and the export agent hashes (``bench refit --compare-export-hash``
+    measures the difference)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

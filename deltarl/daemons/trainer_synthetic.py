@@ -49,8 +49,9 @@ class SyntheticTrainer(DaemonCore):
 
     def _publish(self) -> None:
         with self.store.begin_write() as txn:
-            self.gen.publish(out=txn.buffer)
-            txn.commit(self.gen.version)
+            digests: list[str] | None = [] if self.config.tensor_digests else None
+            self.gen.publish(out=txn.buffer, digests=digests)
+            txn.commit(self.gen.version, tensor_digests=digests)
 
     @property
     def version(self) -> int:

@@ -132,6 +132,12 @@ EXPORT_WITHDRAWN = Counter(
     "took them (the shm link's files)",
     registry=None,
 )
+EXPORT_PUBLISHED_MISMATCHES = Counter(
+    "deltarl_export_published_mismatches",
+    "Export agent: failed versions whose published bytes no longer matched the tensor digests "
+    "the trainer committed with them (changed after its commit; the version is not sent again)",
+    registry=None,
+)
 EXPORT_WIRE_BYTES = Counter(
     "deltarl_export_wire_bytes",
     "Export agent: bytes sent (chunks of every version sent, failed ones included), by kind",
@@ -329,6 +335,7 @@ OWNED: dict[str, tuple[Collector, ...]] = {
         EXPORT_VERSIONS,
         EXPORT_FAILED,
         EXPORT_WITHDRAWN,
+        EXPORT_PUBLISHED_MISMATCHES,
         EXPORT_WIRE_BYTES,
         CHANGED_RATIO,
         GROUP_CHANGED_RATIO,

@@ -67,6 +67,7 @@ import numpy as np
 import orjson
 
 from deltarl.atomic_file import write_atomic
+from deltarl.codecs.checksum import tensor_digests
 from deltarl.codecs.encoder import Chunk, DeltaEncoder, delta_coding_options
 from deltarl.codecs.frame import CHUNKS_PER_SEND, SEND_SLOTS
 from deltarl.codecs.kernel_warmth import KernelWarmth
@@ -263,6 +264,10 @@ class ExportCore(DaemonCore):
         self.republished = 0  # older versions published again, not sent (_republished)
         self.retries = 0  # versions sent again (after a failure, a resync, a restart)
         self.withdrawn = 0  # chunks of failed versions taken back from the link (_withdraw)
+        # Failed versions whose published bytes no longer matched the trainer's digests
+        # (_published_changed), and the newest of them: it is not sent again.
+        self.published_mismatches = 0
+        self.mismatched: int | None = None
         # version -> how often it was sent: a version sent again numbers its chunks from
         # elsewhere, or a link that delivered them before would drop them as duplicates
         self._sends: dict[int, int] = {}
@@ -312,6 +317,11 @@ class ExportCore(DaemonCore):
                 self.detail = "paused" if self.gate.paused else "idle"
                 if self.retry_at is not None and not self.gate.paused:
                     self.detail = "waiting to send the newest version again"
+                if self.mismatched is not None and self.mismatched == published:
+                    self.detail = (
+                        f"waiting for a version newer than {published}: its published bytes "
+                        f"are not the ones the trainer committed"
+                    )
                 await asyncio.sleep(cfg.poll_s)
                 continue
             if receiver is None:
@@ -360,6 +370,8 @@ class ExportCore(DaemonCore):
             return None
         if self.retry_at is not None and time.monotonic() < self.retry_at:
             return None
+        if self.taken == self.mismatched:
+            return None  # its published bytes are not the trainer's: wait for its next
         if self.retry_at is not None:
             return "after its failure"
         if receiver is None or receiver.active_version == self.taken:
@@ -463,6 +475,9 @@ class ExportCore(DaemonCore):
             self.resync_pending = False
             logger.info("version %d: full (%s)", version, reason)
         t0 = time.monotonic()
+        # The trainer's own digests of these bytes, committed with them (None from a trainer
+        # that keeps none: the encoder hashes the model then); read under the lease.
+        digests = snap.tensor_digests
         # Unlabelled from here: its bytes become this version's (Reference's invariant).
         current = self.ref.take(snap.buffer)
         if reason:
@@ -486,6 +501,7 @@ class ExportCore(DaemonCore):
             base_version=base,
             first_chunk_id=(sends % SEND_SLOTS) * CHUNKS_PER_SEND,
             advance=not reason,
+            tensor_digests=digests,
         )
         chunks = iter(encoding)
         # Encoded chunks wait here for the link. For a delta the queue is unbounded, so the
@@ -546,6 +562,8 @@ class ExportCore(DaemonCore):
         self.detail = f"waiting for the apply agent to activate {version}"
         outcome, acked_by = await self._await_ack(version, session, receiver.failures)
         acked_at = time.monotonic()
+        if outcome is not None and digests is not None:
+            outcome += await asyncio.to_thread(self._published_changed, version, digests)
         record = RefitRecord(
             version=version,
             base=base,
@@ -609,6 +627,38 @@ class ExportCore(DaemonCore):
             if left <= 0:
                 return f"no acknowledgement within {self.config.ack_timeout_s} s", state
             state = await self.feed.next(left)
+
+    def _published_changed(self, version: int, digests: list[str]) -> str:
+        """After ``version`` failed: whether the published bytes still match the tensor
+        digests the trainer committed with them ("" if they do, or if the trainer has
+        published since and the question is moot). Receivers check their bytes against those
+        digests, so bytes changed after the trainer's commit (a stray writer, bad memory) fail
+        on every receiver, in full as in a delta: such a version is named here, counted, and
+        not sent again (``_again``); the trainer's next version is."""
+        assert self.store is not None  # opened in run()
+        with self.store.lease() as snap:
+            if snap.version != version:
+                return ""
+            now = tensor_digests(self.store.layout, snap.buffer)
+        names = [
+            spec.name
+            for spec, was, got in zip(self.store.layout.tensors, digests, now, strict=True)
+            if was != got
+        ]
+        if not names:
+            return ""
+        self.published_mismatches += 1
+        self.mismatched = version
+        metrics.EXPORT_PUBLISHED_MISMATCHES.inc()
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        why = (
+            f"; the published bytes of {shown} no longer match the digests the trainer "
+            f"committed with version {version}: they changed after its commit (a writer other "
+            f"than the trainer, or bad memory), so they are not sent again as its weights; the "
+            f"trainer's next version is"
+        )
+        logger.error("version %d%s", version, why)
+        return why
 
     async def _failed(self, version: int, reason: str, *, recorded: bool) -> None:
         # Drop the reference: the receiver's state is unknown, so the next version is full;
@@ -725,6 +775,7 @@ class ExportCore(DaemonCore):
             "republished": self.republished,
             "retries": self.retries,
             "withdrawn": self.withdrawn,
+            "published_mismatches": self.published_mismatches,
             "sealed": self.mac_key is not None,
             "receiver_age_s": round(min(self.feed.age_s, 1e9), 3),
             "last": recent[-1] if recent else None,

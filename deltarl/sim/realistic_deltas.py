@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deltarl.codecs.checksum import tensor_digest
 from deltarl.engine.layout import Layout
 from deltarl.sim.tiny_transformer import TinyCausalLM, TinyConfig
 
@@ -57,12 +58,20 @@ class RealisticDeltas:
         self.version += 1
         return float(loss.detach())
 
-    def publish(self, out: np.ndarray | None = None) -> np.ndarray:
-        """The current bf16 weights as a flat uint8 buffer (into ``out`` if given)."""
+    def publish(
+        self, out: np.ndarray | None = None, *, digests: list[str] | None = None
+    ) -> np.ndarray:
+        """The current bf16 weights as a flat uint8 buffer (into ``out`` if given); with
+        ``digests``, each tensor's xxh3-128 is appended to it as the tensor is written, as the
+        trainer's publisher does (deltarl/trainer/publisher.py)."""
         if out is None:
             out = np.zeros(self.layout.nbytes, np.uint8)
         with torch.no_grad():
             for tid, (_, p) in enumerate(self._params):
-                dst = torch.from_numpy(self.layout.view(out, tid)).view(torch.bfloat16)
-                dst.copy_(p.detach().reshape(-1).to(torch.bfloat16))
+                bits = self.layout.view(out, tid)
+                torch.from_numpy(bits).view(torch.bfloat16).copy_(
+                    p.detach().reshape(-1).to(torch.bfloat16)
+                )
+                if digests is not None:
+                    digests.append(tensor_digest(bits))  # while the bytes are in cache
         return out

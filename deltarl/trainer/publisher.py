@@ -7,6 +7,11 @@ takes, and the values it would hold had it loaded those fp32 tensors and cast th
 Tied parameters appear once, under their first name (for a tied LM head, the embedding), as
 ``named_parameters`` lists them and as vLLM ties them again on load.
 
+Each tensor is hashed (xxh3-128) right after it is written, while its bytes are still in
+cache, and the digests are committed with the version: the export agent sends them instead of
+hashing the model on the refit's path, and every receiver checks its bytes against what the
+trainer wrote (a change to the published bytes after the commit is caught, not passed on).
+
 The store is the trainer's: created on the first run, opened on a restart (the export agent
 may still hold it, so it is never replaced) with a check that its layout is the model's.
 It is not removed at exit: its active version stays what the newest checkpoint holds or what
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from deltarl.codecs.checksum import tensor_digest
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 
@@ -54,14 +60,17 @@ class Publisher:
     def publish(
         self, version: int, *, allow_older: bool = False, digest: str | None = None
     ) -> None:
-        """Commit the current parameters, rounded to bf16, as ``version`` (with ``digest``,
-        the model digest readers prove their load against: ``WriteTxn.commit``).
+        """Commit the current parameters, rounded to bf16, as ``version``, with each tensor's
+        digest (``WriteTxn.commit``'s ``tensor_digests``).
 
         Each parameter is copied straight into its slot of the target buffer (the cast
         happens inside ``copy_``), so no full-size bf16 copy of the model is made.
         ``allow_older`` lets a restart make an older checkpoint's version active again.
+        ``digest``: commit this model digest instead of the tensors' (a caller that vouches
+        for another; no tensor digests are kept then, they would disagree with it).
         """
         params = list(self.model.named_parameters())
+        digests: list[str] = []
         with torch.no_grad(), self.store.begin_write() as txn:
             buf = txn.buffer
             for tid, (name, p) in enumerate(params):
@@ -71,9 +80,14 @@ class Publisher:
                         f"parameter {tid} is {name} {tuple(p.shape)} but the published layout "
                         f"has {spec.name} {spec.shape}: the model changed under the publisher"
                     )
-                dst = torch.from_numpy(self.layout.view(buf, tid)).view(torch.bfloat16)
-                dst.copy_(p.detach().reshape(-1))
-            txn.commit(version, allow_older=allow_older, digest=digest)
+                bits = self.layout.view(buf, tid)
+                torch.from_numpy(bits).view(torch.bfloat16).copy_(p.detach().reshape(-1))
+                if digest is None:
+                    digests.append(tensor_digest(bits))  # while the bytes are in cache
+            if digest is not None:
+                txn.commit(version, allow_older=allow_older, digest=digest)
+            else:
+                txn.commit(version, allow_older=allow_older, tensor_digests=digests)
 
     def close(self) -> None:
         self.store.close()

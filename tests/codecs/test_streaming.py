@@ -1,8 +1,10 @@
 """Chunks leave the encoder while later tensors are still to be encoded."""
 
 import numpy as np
+import pytest
 
-from deltarl.codecs.decoder import VersionApply
+from deltarl.codecs.checksum import model_digest, tensor_digests
+from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
 from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.engine.layout import Layout
 from tests.codecs.test_roundtrip import assert_tiles
@@ -72,3 +74,30 @@ def test_a_model_smaller_than_the_first_wave_is_one_wave():
     layout = Layout.pack([("a", "float32", (100,)), ("b", "int8", (7,)), ("e", "int32", (0,))])
     enc = DeltaEncoder(layout, chunk_bytes=1 << 20)
     assert list(enc._waves()) == [[(0, 0, 100), (1, 0, 7), (2, 0, 0)]]
+
+
+def test_the_trainers_tensor_digests_go_into_the_manifest_as_given() -> None:
+    """Given the trainer's digests, the encoder lists them and hashes nothing: a receiver
+    checks its bytes against what the trainer wrote, so bytes that are not those (here, a
+    digest that does not match ``cur``) are refused there, never passed on as its weights."""
+    layout = Layout.pack([(f"w{i}", "bfloat16", (4096,)) for i in range(3)])
+    rng = np.random.default_rng(1)
+    ref = rng.integers(0, 256, layout.nbytes, dtype=np.uint8)
+    cur = ref.copy()
+    cur.view(np.uint16)[::40] += np.uint16(1)
+    enc = DeltaEncoder(layout, chunk_bytes=8192)
+    true = tensor_digests(layout, cur)
+    given = [true[0], "f" * 32, true[2]]
+    encoding = enc.encode(cur, ref, target_version=1, base_version=0, tensor_digests=given)
+    chunks = list(encoding)
+    assert encoding.manifest is not None
+    assert [t.xxh3_128 for t in encoding.manifest.tensors] == given
+    assert encoding.manifest.model_xxh3_128 == model_digest(given)
+    target = ref.copy()
+    apply = VersionApply(layout, target, target, base=0, version=1)
+    for c in chunks:
+        apply.apply(c.data)
+    with pytest.raises(ChecksumMismatchError, match="w1"):
+        apply.verify(encoding.manifest)
+    with pytest.raises(ValueError, match="2 tensor digests for a layout of 3"):
+        enc.encode(cur, ref, target_version=1, base_version=0, tensor_digests=true[:2])

@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from deltarl.codecs import encoder as encoder_module
+from deltarl.codecs.checksum import tensor_digests
 from deltarl.config.refit import ApplyConfig, ExportConfig
 from deltarl.engine.daemon import DaemonContext
+from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 from deltarl.ops import metrics
 from deltarl.refit.apply import ApplyCore
@@ -57,12 +61,11 @@ class Pair:
     apply: ApplyCore
     feed: StateFeed
     manifests: Path
+    digests: bool = True
 
     def publish(self) -> int:
         self.trainer.step()
-        with self.published.begin_write() as txn:
-            txn.buffer[:] = self.trainer.publish()
-            txn.commit(self.trainer.version)
+        _commit(self.published, self.trainer, digests=self.digests)
         return self.trainer.version
 
     async def active(self, version: int, timeout_s: float = 30) -> None:
@@ -76,6 +79,15 @@ class Pair:
             assert np.array_equal(pub.buffer, got.buffer)  # bit-exact
 
 
+def _commit(store: WeightStore, trainer: RealisticDeltas, *, digests: bool) -> None:
+    """The trainer's publish: with ``digests``, each tensor's committed with the version, as
+    deltarl/trainer/publisher.py commits them; else none (the export agent hashes)."""
+    with store.begin_write() as txn:
+        hashes: list[str] | None = [] if digests else None
+        trainer.publish(out=txn.buffer, digests=hashes)
+        txn.commit(trainer.version, tensor_digests=hashes)
+
+
 @contextlib.asynccontextmanager
 async def pair(
     tmp: Path,
@@ -86,12 +98,11 @@ async def pair(
     chunk_bytes: int = 16 << 20,
     sender: Callable[[ShmLinkConfig], ChunkSender] = make_sender,
     ack_timeout_s: float = 10,
+    digests: bool = True,
 ) -> AsyncIterator[Pair]:
     trainer = RealisticDeltas(PARAMS, seed=5)
     published = WeightStore.create("pub", trainer.layout, root=tmp)
-    with published.begin_write() as txn:
-        txn.buffer[:] = trainer.publish()
-        txn.commit(trainer.version)
+    _commit(published, trainer, digests=digests)
     rollout = WeightStore.create("roll", trainer.layout, root=tmp)
     link = ShmLinkConfig(name="t", root=link_root or tmp, connect_timeout_s=10)
     feed = StateFeed()
@@ -119,7 +130,7 @@ async def pair(
     )
     tasks = [asyncio.create_task(apply.run()), asyncio.create_task(export.run())]
     try:
-        yield Pair(trainer, published, rollout, export, apply, feed, ecfg.manifest_store)
+        yield Pair(trainer, published, rollout, export, apply, feed, ecfg.manifest_store, digests)
     finally:
         for task in tasks:
             task.cancel()
@@ -153,6 +164,85 @@ def test_versions_arrive_bit_exact_as_deltas_acknowledged_by_events(tmp_path: Pa
                 record = ms.get(3)
                 assert record is not None
                 assert record.state is State.ACTIVE
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("digests", [True, False])
+def test_the_manifest_carries_the_trainers_digests_and_the_export_agent_hashes_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digests: bool
+) -> None:
+    """With the trainer's tensor digests committed beside its bytes, the export agent sends
+    them and never hashes the model itself (its hash is made to fail here); without them (a
+    trainer that keeps none, a segment of an older deltarl) it hashes, as before."""
+    hashed: list[int] = []
+    own = encoder_module.tensor_digests
+
+    def counted(layout: Layout, buf: np.ndarray) -> list[str]:
+        hashed.append(1)
+        return own(layout, buf)
+
+    monkeypatch.setattr(encoder_module, "tensor_digests", counted)
+
+    async def scenario() -> None:
+        async with pair(tmp_path, digests=digests) as p:
+            await p.active(0)
+            for _ in range(2):
+                await p.active(p.publish())
+            assert [r.kind for r in p.export.recent] == ["full", "delta", "delta"]
+            with p.published.lease() as pub, ManifestStore(p.manifests, readonly=True) as ms:
+                record = ms.get(2)
+                assert record is not None
+                listed = [t.xxh3_128 for t in record.manifest.tensors]
+                assert listed == tensor_digests(p.published.layout, pub.buffer)
+                assert pub.tensor_digests == (listed if digests else None)
+            assert len(hashed) == (0 if digests else 3)
+
+    asyncio.run(scenario())
+
+
+def test_published_bytes_changed_after_the_trainers_commit_are_never_activated(
+    tmp_path: Path,
+) -> None:
+    """The fault: after the trainer committed version 2 with its digests, a byte of the
+    published buffer changes (a stray writer, bad memory). The export agent sends what it
+    reads, with the trainer's digests: the apply agent's check refuses it, the rollout keeps
+    version 1 (a version hashed by the export agent would have activated the changed
+    bytes), and the trainer's next version arrives bit-exact."""
+
+    async def scenario() -> None:
+        async with pair(tmp_path, ack_timeout_s=5.0) as p:
+            await p.active(0)
+            await p.active(p.publish())
+            p.export.gate.pause()  # the change lands before the export agent reads
+            bad = p.publish()
+            with p.published.lease() as snap:
+                offset = p.published.header.buffer_offsets[snap.index]
+            spec = p.published.layout.tensors[3]
+            raw = np.memmap(p.published.path, np.uint8, "r+", offset + spec.offset, 2)
+            raw[1] ^= 0x40  # an exponent bit of the tensor's first element
+            raw.flush()
+            del raw
+            p.export.gate.resume()
+            async with asyncio.timeout(30):
+                while p.export.failed == 0:  # noqa: ASYNC110 - a core's state
+                    await asyncio.sleep(0.01)
+            failed = p.export.recent[-1]
+            assert failed.version == bad
+            assert f"differ after apply: {spec.name}" in failed.outcome
+            # Named as what it is, and not sent again: every receiver would refuse it.
+            assert f"the published bytes of {spec.name} no longer match" in failed.outcome
+            assert p.export.published_mismatches == 1
+            assert p.export.status_fields()["published_mismatches"] == 1
+            await asyncio.sleep(1.5)  # past the first back-off (0.5 s) and the next
+            assert p.export.retries == 0
+            assert "waiting for a version newer than 2" in p.export.detail
+            assert p.rollout.active_version == 1
+            assert bad not in [
+                e.version for e in p.apply.context.published if isinstance(e, VersionApplied)
+            ]
+            await p.active(p.publish())  # the next version, written whole by the trainer
+            assert p.export.recent[-1].kind == "full"
 
     asyncio.run(scenario())
 

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from deltarl.codecs.checksum import model_digest, tensor_digests
 from deltarl.engine.weight_store import SegmentFormatError, WeightStore
 from deltarl.trainer.publisher import Publisher, layout_of
 from tests.trainer.tiny import save_tiny_model, tiny_model
@@ -66,6 +67,22 @@ def test_published_bits_are_what_vllm_would_load(tmp_path: Path) -> None:
         assert torch.equal(tensors[name].view(torch.int16), want.view(torch.int16)), name
         changed += int((want.float() != p.detach()).sum())
     assert changed > 0  # the cast really rounded something
+    # Each tensor's digest is committed with the version: the export agent sends these.
+    with pub.store.lease() as snap:
+        assert snap.tensor_digests == tensor_digests(pub.store.layout, snap.buffer)
+        assert snap.digest == model_digest(snap.tensor_digests)
+    pub.close()
+
+
+def test_a_digest_given_by_the_caller_is_committed_without_tensor_digests(
+    tmp_path: Path,
+) -> None:
+    """A caller vouching for another model digest (a rollout store fed as the apply agent
+    feeds it, in tests) gets that digest, and no tensor digests that would disagree with it."""
+    pub = Publisher(tiny_model(0), "pub", root=tmp_path)
+    pub.publish(0, digest="0" * 32)
+    with pub.store.lease() as snap:
+        assert (snap.digest, snap.tensor_digests) == ("0" * 32, None)
     pub.close()
 
 
