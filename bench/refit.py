@@ -51,6 +51,11 @@ link is measured side by side. ``--compare-conditioned-rice`` does the same with
 ``delta_coding = "conditioned_huffman"`` (deltarl/codecs/conditioned_huffman.py) adds
 ``conditioned_huffman``.
 
+``--compare-export-hash`` runs it all again with the trainer committing no tensor digests
+(its ``tensor_digests = false``), so the export agent hashes the model itself after the last
+chunk, as before the trainer's digests, and adds ``export_hash`` with the same keys as
+``conditioned``: what taking the hash off the refit's path saves, side by side.
+
 ``--rate-mbit R`` puts the export agent and the apply agent in two network namespaces joined
 by a veth pair with a tbf qdisc at R Mbit/s (bench/netns.py); it needs root.
 
@@ -120,8 +125,10 @@ def _tables(
     catch_up: str = "eager",
     delta_coding: str = "rice",
     cpus: tuple[str, str] | None = None,
+    tensor_digests: bool = True,
 ) -> dict:
-    """The daemons' tables; ``cpus``: the export agent's and the apply agent's CPU lists."""
+    """The daemons' tables; ``cpus``: the export agent's and the apply agent's CPU lists;
+    ``tensor_digests``: whether the trainer commits them (else the export agent hashes)."""
 
     def ipc(name: str) -> str:
         return f"ipc://{tmp}/{name}"
@@ -133,6 +140,7 @@ def _tables(
             "store_root": str(tmp),
             "params": params,
             "interval_s": 0.2,
+            "tensor_digests": tensor_digests,
         },
         "export": {
             "control": ipc("export.sock"),
@@ -324,6 +332,7 @@ def run(
     catch_up: str = "eager",
     delta_coding: str = "rice",
     cpus: tuple[str, str] | None = None,
+    tensor_digests: bool = True,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The JSON result and per-refit diagnostics; BenchError (or NetnsError) if it cannot end.
     ``cpus``: pin the export agent and the apply agent to these CPU lists (``halves``)."""
@@ -350,6 +359,7 @@ def run(
             catch_up=catch_up,
             delta_coding=delta_coding,
             cpus=cpus,
+            tensor_digests=tensor_digests,
         )
         daemons = Daemons(tmp, prefixes, tables)
         with _cluster_keys(tmp, sealed):
@@ -455,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         "exponent (delta_coding = conditioned_huffman) and report the difference, side by side",
     )
     ap.add_argument(
+        "--compare-export-hash",
+        action="store_true",
+        help="run again with the trainer committing no tensor digests, so the export agent "
+        "hashes the model on the refit's path as it did before, and report the difference, "
+        "side by side",
+    )
+    ap.add_argument(
         "--cpus",
         choices=("split", "shared"),
         default="split",
@@ -503,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_conditioned_huffman:
             coded, _ = run(*same, delta_coding="conditioned_huffman", cpus=cpus)
             result["conditioned_huffman"] = conditioned_cost(result, coded)
+        if args.compare_export_hash:
+            hashed, _ = run(*same, tensor_digests=False, cpus=cpus)
+            result["export_hash"] = conditioned_cost(result, hashed)
     except NetnsError as e:
         print(f"deltarl bench refit: cannot shape the link: {e}", file=sys.stderr)
         return 2
@@ -516,7 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(result, diag))
     exact = all(r["bit_exact"] for r in result["refits"])
-    compared = ("sealed", "copy", "conditioned", "conditioned_rice", "conditioned_huffman")
+    compared = (
+        "sealed",
+        "copy",
+        "conditioned",
+        "conditioned_rice",
+        "conditioned_huffman",
+        "export_hash",
+    )
     others = (result.get(k, {}).get("bit_exact", True) for k in compared)
     return 0 if exact and all(others) else 1
 
@@ -537,8 +564,8 @@ def copy_cost(ours: dict[str, Any], copied: dict[str, Any]) -> dict[str, Any]:
 
 
 def conditioned_cost(ours: dict[str, Any], coded: dict[str, Any]) -> dict[str, Any]:
-    """The conditioned run's figures beside the default coding's (ratios: conditioned /
-    default)."""
+    """Another run's figures beside this one's (ratios: the other / this): a conditioned
+    coding's, or (``export_hash``) the export agent hashing the model itself."""
 
     def median(run: dict[str, Any], key: str) -> float:
         values = [r[key] for r in run["refits"] if r["kind"] == "delta"]

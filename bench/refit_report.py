@@ -131,6 +131,16 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f"{coded['apply_s_ratio']:.2f}x, speedup {coded['speedup']:.1f}x (slowest "
             f"{coded['speedup_min']:.1f}x), bit-exact: {'yes' if coded['bit_exact'] else 'NO'}"
         )
+    hashed = result.get("export_hash")
+    if hashed:
+        lines.append(
+            f"the export agent hashing the model itself (the trainer commits no tensor "
+            f"digests), same machine, run after: median delta "
+            f"{hashed['delta_total_s_median'] * 1e3:.1f} ms ({hashed['delta_ratio']:.2f}x), "
+            f"P95 {hashed['delta_total_s_p95'] * 1e3:.1f} ms, encode "
+            f"{hashed['encode_s_ratio']:.2f}x, speedup {hashed['speedup']:.1f}x (slowest "
+            f"{hashed['speedup_min']:.1f}x), bit-exact: {'yes' if hashed['bit_exact'] else 'NO'}"
+        )
     lines.append("")
     lines += [f"  [{'ok' if ok else 'MISS'}] {text}" for text, ok in verdicts(result)]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ STEP_KEYS = {
     "entropy_ordered_bytes_per_change": float,
     "entropy_conditioned_bytes_per_change": float,
     "encode_gbps": float,
+    "encode_trainer_digests_gbps": float,
     "apply_gbps": float,
     "apply_two_buffers_gbps": float,
     "writes_gbps": float,

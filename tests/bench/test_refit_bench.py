@@ -141,7 +141,24 @@ def test_split_cpus_halves_and_refuses_one() -> None:
 
 
 def test_bench_refit_compare_copy_measures_the_catch_up_side_by_side() -> None:
-    result, _ = _bench("--link", "shm", "--compare-copy")
+    # and (in the same bench run, to spare the test a third one) the export agent hashing
+    result, _ = _bench("--link", "shm", "--compare-copy", "--compare-export-hash")
+    assert "the export agent hashing the model itself" in render(result)
+    hashed = result.pop("export_hash")
+    stages = ("encode_s", "transfer_s", "apply_s", "wire_bytes")
+    assert set(hashed) == {
+        "delta_total_s_median",
+        "delta_total_s_p95",
+        "speedup",
+        "speedup_min",
+        "delta_ratio",
+        "bit_exact",
+        *(f"{s}_median" for s in stages),
+        *(f"{s}_ratio" for s in stages),
+    }
+    assert hashed["bit_exact"] is True
+    # the same deltas either way: only who hashes differs
+    assert 0.99 < hashed["wire_bytes_ratio"] < 1.01
     copied = result.pop("copy")
     _check_shape(result, "shm", None)
     assert set(copied) == {
