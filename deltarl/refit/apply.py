@@ -519,10 +519,15 @@ class ApplyCore(DaemonCore):
         t_commit = time.monotonic()
         # A full version is authoritative: it may replace a newer one (after a rollback).
         # With the manifest's model digest: the rollout daemon proves what its engine loaded
-        # against it under its own lease.
+        # against it under its own lease; and its tensor digests, just verified against these
+        # bytes, from which the rollout worker picks the layers that changed without hashing
+        # the model (deltarl/rollout/worker_ext.py).
         try:
             job.txn.commit(
-                job.version, allow_older=job.base is None, digest=job.manifest.model_xxh3_128
+                job.version,
+                allow_older=job.base is None,
+                digest=job.manifest.model_xxh3_128,
+                tensor_digests=[t.xxh3_128 for t in job.manifest.tensors],
             )
         except ValueError as e:  # checked on arrival; a commit must still never crash the agent
             await self._fail(job.version, f"cannot commit: {e}")
@@ -769,7 +774,12 @@ class ApplyCore(DaemonCore):
             metrics.CHECKSUM_FAILURES.inc()
             logger.warning("rollback to %d by undo refused: %s", undo.restores, e)
             return Error("no_previous_version", f"the undo of version {undo.holds} failed: {e}")
-        txn.commit(undo.restores, allow_older=True, digest=undo.manifest.model_xxh3_128)
+        txn.commit(
+            undo.restores,
+            allow_older=True,
+            digest=undo.manifest.model_xxh3_128,
+            tensor_digests=[t.xxh3_128 for t in undo.manifest.tensors],
+        )
         self.kept = None  # the other buffer holds undo.holds: no delta bridges it to the active
         logger.warning(
             "weight store %s rolled back from version %d to %d (by undo)",

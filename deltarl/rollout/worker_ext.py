@@ -134,7 +134,8 @@ class DeltaWorkerExtension:
         committed with this version, read under the same lease: what ``digest`` must equal;
         None for a store written without one), ``tensors`` (how many were handed over and consumed),
         ``total`` (in the version), ``readback_tensors`` (how many were read back and equal),
-        and timings in seconds.
+        ``chosen_by`` (how the changed layers were found: "committed" tensor digests, "hashed"
+        from the leased bytes, or "all" handed over), and timings in seconds.
         """
         t0 = time.perf_counter()
         root = None if store_root is None else Path(store_root)
@@ -150,12 +151,23 @@ class DeltaWorkerExtension:
             names = [spec.name for spec in snap.layout.tensors]
             previous = self._deltarl_digests if only_changed else None
             packed = self._deltarl_packed()
+            chosen_by = "all"
             if previous is None or set(previous) != set(names):
                 chosen = list(names)  # everything: no need to hash ahead to choose
             else:
-                # What changed, from the leased bytes; the reported digest comes from the
-                # bytes consumed below, not from these.
-                ahead = {name: tensor_digest(snap.array(name)) for name in names}
+                # What changed: from the tensor digests the apply agent committed with the
+                # version (verified against these bytes before its flip), else from the
+                # leased bytes, a pass over the model. Either only chooses what is handed
+                # over: the reported digest comes from the bytes consumed below, and a
+                # tensor not handed over counts with the digest the engine already holds,
+                # so a table that lied could make the load fail its checks, never pass a
+                # wrong engine.
+                committed = snap.tensor_digests
+                if committed is not None:
+                    ahead, chosen_by = dict(zip(names, committed, strict=True)), "committed"
+                else:
+                    ahead = {name: tensor_digest(snap.array(name)) for name in names}
+                    chosen_by = "hashed"
                 chosen = tensors_to_load(names, ahead, previous, packed)
             t_hash = time.perf_counter()
             self._deltarl_digests = None  # unknown until the load below is verified
@@ -218,6 +230,7 @@ class DeltaWorkerExtension:
             "readback_tensors": readback,
             "seconds": t_end - t0,
             "hash_seconds": t_hash - t0,
+            "chosen_by": chosen_by,
             "load_seconds": t_load - t_hash,
             "readback_seconds": t_end - t_load,
         }

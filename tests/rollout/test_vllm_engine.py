@@ -100,14 +100,31 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def commit(store: WeightStore, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
-    """Write ``weights`` (bf16) as the next version of ``store``; returns that version."""
+def commit(
+    store: WeightStore,
+    weights: dict[str, torch.Tensor],
+    version: int | None = None,
+    *,
+    digests: bool = False,
+    lie: str | None = None,
+) -> int:
+    """Write ``weights`` (bf16) as the next version of ``store``; returns that version.
+    ``digests``: commit each tensor's digest with it, as the apply agent does; ``lie``: a
+    tensor whose committed digest is the previous version's, whatever its bytes now."""
     if version is None:
         version = (store.active_version or 0) + 1
+    before = None
+    if lie is not None:
+        with store.lease() as snap:
+            before = tensor_digests(store.layout, snap.buffer)
     with store.begin_write() as txn:
         for name, tensor in weights.items():
             txn.array(name)[:] = tensor.contiguous().view(torch.uint16).numpy().reshape(-1)
-        txn.commit(version)
+        hashes = tensor_digests(store.layout, txn.buffer) if digests else None
+        if hashes is not None and before is not None:
+            at = [s.name for s in store.layout.tensors].index(str(lie))
+            hashes[at] = before[at]
+        txn.commit(version, tensor_digests=hashes)
     return version
 
 
@@ -247,6 +264,46 @@ def test_only_changed_layers_are_handed_over_and_equal_a_full_load(
     assert full["digest"] == partial["digest"]
     b = run(engine, PROMPT, max_tokens=8).samples[0]
     assert (a["token_ids"], a["logprobs"]) == (b["token_ids"], b["logprobs"])
+
+
+def test_changed_layers_are_chosen_from_the_committed_digests_without_hashing(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    """With the apply agent's tensor digests committed beside the version, the worker picks
+    the changed layers from them (no pass over the model) and hands over the same layers
+    the hash of the bytes would; without them it hashes."""
+    weights = perturbed(base_weights, seed=5, scale=0.05)
+    engine.update_weights(store.name, store.path.parent, commit(store, weights, digests=True))
+    name = "model.layers.1.self_attn.k_proj.bias"
+    weights[name] = torch.full_like(weights[name], 2.0)
+    told = engine.update_weights(
+        store.name, store.path.parent, commit(store, weights, digests=True)
+    )
+    assert (told["chosen_by"], told["tensors"]) == ("committed", 6)
+    assert told["digest"] == told["manifest_digest"] == store_digest(store)
+    weights[name] = torch.full_like(weights[name], 1.0)
+    hashed = engine.update_weights(store.name, store.path.parent, commit(store, weights))
+    assert (hashed["chosen_by"], hashed["tensors"]) == ("hashed", 6)
+    assert hashed["digest"] == store_digest(store)
+
+
+def test_a_committed_digest_that_lies_never_passes_a_wrong_engine(
+    engine: VllmEngine, store: WeightStore, base_weights: dict
+) -> None:
+    """The fault: the committed table says a tensor did not change while its bytes did. The
+    worker does not hand it over, and its read-back of the engine against the store's bytes
+    fails the load; the next load hands over everything and reports the bytes' digest, which
+    is not the committed one (the rollout daemon refuses such an engine)."""
+    weights = perturbed(base_weights, seed=6, scale=0.05)
+    engine.update_weights(store.name, store.path.parent, commit(store, weights, digests=True))
+    name = "model.norm.weight"  # read back from the engine in the checkpoint's form
+    weights[name] = torch.full_like(weights[name], 0.5)
+    version = commit(store, weights, digests=True, lie=name)
+    with pytest.raises(WeightVerificationError, match=name):
+        engine.update_weights(store.name, store.path.parent, version)
+    again = engine.update_weights(store.name, store.path.parent, version)
+    assert again["chosen_by"] == "all"
+    assert again["digest"] == store_digest(store) != again["manifest_digest"]
 
 
 def test_prefix_cache_is_shared_within_a_version_and_never_across(
