@@ -529,6 +529,9 @@ class RolloutService(DaemonCore):
                 "digest": self._last_digest,
                 "at": time.time(),
                 "done": time.monotonic(),
+                # How the worker found the changed layers: "committed" (the tensor digests
+                # the apply agent committed with the version), "hashed" or "all".
+                "chosen_by": result.get("chosen_by"),
             }
         )
         logger.info(

@@ -36,8 +36,8 @@ pytestmark = pytest.mark.timeout(600)
 
 def _publish(model: Any, tmp: Path, version: int, digest: str | None) -> str:
     """Commit the model's bf16 weights as ``version`` of the store "rollout" with ``digest``
-    as its manifest digest (as the apply agent commits it; None: the true one); returns the
-    true digest of the bytes."""
+    as its manifest digest (None: the true one, with each tensor's, as the apply agent
+    commits them); returns the true digest of the bytes."""
     from deltarl.trainer.publisher import Publisher  # noqa: PLC0415
 
     def commit(store: str, digest: str | None) -> str:
@@ -50,7 +50,9 @@ def _publish(model: Any, tmp: Path, version: int, digest: str | None) -> str:
             return model_digest(tensor_digests(ws.layout, snap.buffer))
 
     true = commit("scratch", None)  # the same bytes, to learn their digest first
-    commit("rollout", true if digest is None else digest)
+    # None: the publisher's own tensor digests and their model digest (the true one), as the
+    # apply agent commits a verified version's
+    commit("rollout", digest)
     return true
 
 
@@ -156,6 +158,8 @@ max_running_groups = 2
     assert st["weight_version"] == 2
     assert st["verified"] == 1
     assert [r["verified"] for r in st["refits"]] == [False, True]
+    # Version 2's changed layers were found from the digests committed with it, unhashed.
+    assert st["refits"][-1]["chosen_by"] == "committed"
 
 
 def test_a_submit_waiting_on_the_reward_service_does_not_hold_the_engine(tmp_path: Path) -> None:
