@@ -535,10 +535,13 @@ class RolloutService(DaemonCore):
             }
         )
         logger.info(
-            "engine at version %d (%.3f s, %s)",
+            "engine at version %d (%.3f s, %s; %s of %s tensors handed over, chosen: %s)",
             loaded,
             seconds,
             "verified" if ok else "NOT VERIFIED",
+            result.get("tensors"),
+            result.get("total"),
+            result.get("chosen_by"),
         )
 
     # -- health ---------------------------------------------------------------------------
