@@ -228,10 +228,9 @@ def run(
     for step, (ref, cur) in enumerate(source, start=1):
         memcpy.append(memcpy_gbps(layout.nbytes))
 
-        # the default coding and the one without classes in the same rounds; the
-        # conditioned codings, several times slower, in rounds of their own
-        # and the default coding again, given the trainer's digests (hashed here, untimed,
-        # as the trainer hashes at publish time)
+        # the default coding, the one without classes and the default again given the
+        # trainer's digests (hashed here, untimed, as the trainer hashes at publish time) in
+        # the same rounds; the conditioned codings, several times slower, in rounds of their own
         digests = tensor_digests(layout, cur)
         default, one_k, given = _measure(
             [encoder, one_k_encoder, encoder],

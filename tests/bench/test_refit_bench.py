@@ -140,22 +140,26 @@ def test_split_cpus_halves_and_refuses_one() -> None:
     assert halves({7}, lower_larger=False) is None
 
 
+_STAGES = ("encode_s", "transfer_s", "apply_s", "wire_bytes")
+COMPARED_KEYS = {
+    "delta_total_s_median",
+    "delta_total_s_p95",
+    "speedup",
+    "speedup_min",
+    "delta_ratio",
+    "bit_exact",
+    *(f"{s}_median" for s in _STAGES),
+    *(f"{s}_ratio" for s in _STAGES),
+}
+"""The keys of another run's figures beside the first (``conditioned_cost``)."""
+
+
 def test_bench_refit_compare_copy_measures_the_catch_up_side_by_side() -> None:
     # and (in the same bench run, to spare the test a third one) the export agent hashing
     result, _ = _bench("--link", "shm", "--compare-copy", "--compare-export-hash")
     assert "the export agent hashing the model itself" in render(result)
     hashed = result.pop("export_hash")
-    stages = ("encode_s", "transfer_s", "apply_s", "wire_bytes")
-    assert set(hashed) == {
-        "delta_total_s_median",
-        "delta_total_s_p95",
-        "speedup",
-        "speedup_min",
-        "delta_ratio",
-        "bit_exact",
-        *(f"{s}_median" for s in stages),
-        *(f"{s}_ratio" for s in stages),
-    }
+    assert set(hashed) == COMPARED_KEYS
     assert hashed["bit_exact"] is True
     # the same deltas either way: only who hashes differs
     assert 0.99 < hashed["wire_bytes_ratio"] < 1.01
@@ -189,18 +193,8 @@ def test_bench_refit_compare_conditioned_measures_the_coding_side_by_side() -> N
         assert f"deltas coded against the reference (delta_coding = '{coding}')" in text
     both = [result.pop(coding) for coding in codings]
     _check_shape(result, "shm", None)
-    stages = ("encode_s", "transfer_s", "apply_s", "wire_bytes")
     for coded in both:
-        assert set(coded) == {
-            "delta_total_s_median",
-            "delta_total_s_p95",
-            "speedup",
-            "speedup_min",
-            "delta_ratio",
-            "bit_exact",
-            *(f"{s}_median" for s in stages),
-            *(f"{s}_ratio" for s in stages),
-        }
+        assert set(coded) == COMPARED_KEYS
         assert coded["bit_exact"] is True
         # a range keeps a conditioned coding only where it is smaller (at this tiny size
         # its overhead eats the gain: bench codec and test_conditioned*.py measure it at

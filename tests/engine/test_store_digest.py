@@ -137,10 +137,11 @@ def test_a_segment_without_tables_commits_the_model_digest_alone(tmp_path: Path)
     """A segment made by an older deltarl has no tables (bytes 120-135 zero): the model digest
     of the tensor digests is still committed, and readers get no tensor digests."""
     with WeightStore.create("w", TWO, root=tmp_path) as store:
-        path = store.path
-    with path.open("r+b") as f:
-        f.seek(120)
-        f.write(bytes(16))
+        path, end = store.path, store.header.digests_offset
+    with path.open("r+b") as f:  # as an older deltarl made it: the file ends after buffer 1
+        f.seek(112)
+        f.write(end.to_bytes(8, "little") + bytes(16))  # file_nbytes, then no tables
+        f.truncate(end)
     with WeightStore.open("w", root=tmp_path) as store:
         with store.begin_write() as txn:
             digests = _write(txn, 1)
