@@ -308,6 +308,14 @@ class WeightStore:
             raise RuntimeError(f"weight store {self.name!r} is closed")
         return self._pointer.active_version()
 
+    @property
+    def generation(self) -> int:
+        """How many commits and rollbacks made a version active so far (a hint, unlocked):
+        a version committed again under the same number comes with a new generation."""
+        if self._closed:
+            raise RuntimeError(f"weight store {self.name!r} is closed")
+        return self._pointer.load() >> 1
+
     def lease(self, timeout: float | None = 5.0) -> Snapshot:
         """Lease the active version: it stays whole and unchanged until the lease is released.
 

@@ -267,7 +267,7 @@ class ExportCore(DaemonCore):
         # Failed versions whose published bytes no longer matched the trainer's digests
         # (_published_changed), and the newest of them: it is not sent again.
         self.published_mismatches = 0
-        self.mismatched: int | None = None
+        self.mismatched: tuple[int, int] | None = None  # (version, store generation)
         # version -> how often it was sent: a version sent again numbers its chunks from
         # elsewhere, or a link that delivered them before would drop them as duplicates
         self._sends: dict[int, int] = {}
@@ -317,7 +317,7 @@ class ExportCore(DaemonCore):
                 self.detail = "paused" if self.gate.paused else "idle"
                 if self.retry_at is not None and not self.gate.paused:
                     self.detail = "waiting to send the newest version again"
-                if self.mismatched is not None and self.mismatched == published:
+                if self._mismatched(published):
                     self.detail = (
                         f"waiting for a version newer than {published}: its published bytes "
                         f"are not the ones the trainer committed"
@@ -370,7 +370,7 @@ class ExportCore(DaemonCore):
             return None
         if self.retry_at is not None and time.monotonic() < self.retry_at:
             return None
-        if self.taken == self.mismatched:
+        if self.taken is not None and self._mismatched(self.taken):
             return None  # its published bytes are not the trainer's: wait for its next
         if self.retry_at is not None:
             return "after its failure"
@@ -640,6 +640,7 @@ class ExportCore(DaemonCore):
             if snap.version != version:
                 return ""
             now = tensor_digests(self.store.layout, snap.buffer)
+            generation = snap.generation
         names = [
             spec.name
             for spec, was, got in zip(self.store.layout.tensors, digests, now, strict=True)
@@ -648,7 +649,7 @@ class ExportCore(DaemonCore):
         if not names:
             return ""
         self.published_mismatches += 1
-        self.mismatched = version
+        self.mismatched = (version, generation)
         metrics.EXPORT_PUBLISHED_MISMATCHES.inc()
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         why = (
@@ -659,6 +660,12 @@ class ExportCore(DaemonCore):
         )
         logger.error("version %d%s", version, why)
         return why
+
+    def _mismatched(self, version: int) -> bool:
+        """Whether ``version``, as published now, is the one whose bytes were found changed
+        (the trainer committing that version number again, after a restart, is a new one)."""
+        assert self.store is not None  # opened in run()
+        return self.mismatched == (version, self.store.generation)
 
     async def _failed(self, version: int, reason: str, *, recorded: bool) -> None:
         # Drop the reference: the receiver's state is unknown, so the next version is full;

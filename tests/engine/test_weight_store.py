@@ -388,6 +388,19 @@ def test_status_reports_buffers_and_locks(store: WeightStore, tmp_path: Path) ->
     assert store.status()["buffers"][0]["lock"] == "none"
 
 
+def test_generation_counts_every_version_made_active(store: WeightStore) -> None:
+    assert store.generation == 0
+    commit_pattern(store, 1)
+    commit_pattern(store, 2)
+    store.rollback(5.0)
+    assert store.generation == 3
+    with store.begin_write() as txn:  # the same version number again: a new generation
+        fill(txn.buffer, 2)
+        txn.commit(2, allow_older=True)
+    with store.lease() as snap:
+        assert (snap.version, snap.generation, store.generation) == (2, 4, 4)
+
+
 # ---- rollback -----------------------------------------------------------------------------
 
 

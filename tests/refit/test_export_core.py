@@ -241,8 +241,16 @@ def test_published_bytes_changed_after_the_trainers_commit_are_never_activated(
             assert bad not in [
                 e.version for e in p.apply.context.published if isinstance(e, VersionApplied)
             ]
-            await p.active(p.publish())  # the next version, written whole by the trainer
+            # The trainer commits that version again (a restart republishing it), sound this
+            # time: a new commit, so it is sent (in full: the reference was dropped).
+            with p.published.begin_write() as txn:
+                hashes: list[str] = []
+                p.trainer.publish(out=txn.buffer, digests=hashes)
+                txn.commit(bad, allow_older=True, tensor_digests=hashes)
+            await p.active(bad)
             assert p.export.recent[-1].kind == "full"
+            await p.active(p.publish())  # and the next version, as a delta again
+            assert p.export.recent[-1].kind == "delta"
 
     asyncio.run(scenario())
 
