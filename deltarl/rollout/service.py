@@ -79,6 +79,16 @@ PutBlob = Callable[[bytes, float], Awaitable[str]]
 TimeoutError or ConnectionError (not answered), or BlobError (refused); BlobClient.put is one."""
 
 
+def _differing(load: dict[str, Any]) -> str:
+    """The tensors a load's report names as held otherwise than the committed digests say, as
+    a clause for a message ("" when it names none)."""
+    names, count = load.get("differ") or [], int(load.get("differ_count") or 0)
+    if not count:
+        return ""
+    more = f" and {count - len(names)} more" if count > len(names) else ""
+    return f" (tensors that differ: {', '.join(names)}{more})"
+
+
 @dataclass
 class StepTally:
     """Sums over the engine steps this daemon ran. With a cost model's terms they give what
@@ -484,11 +494,12 @@ class RolloutService(DaemonCore):
         if expected is not None and expected != result["digest"]:
             # Once more, every tensor: a partial load builds on what the engine held before.
             logger.error(
-                "version %d: the engine's digest %s is not the manifest's %s; "
+                "version %d: the engine's digest %s is not the manifest's %s%s; "
                 "loading every tensor again",
                 loaded,
                 result["digest"],
                 expected,
+                _differing(result),
             )
             result = await self._call(
                 self.engine.update_weights,
@@ -511,6 +522,7 @@ class RolloutService(DaemonCore):
             self.mismatches += 1
             self.unverified = (
                 f"version {loaded}: engine digest {result['digest']}, manifest {expected}"
+                f"{_differing(result)}"
                 if expected is not None
                 else f"version {loaded}: no manifest digest was committed with it"
             )

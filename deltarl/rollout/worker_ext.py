@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MAX_NAMED = 8  # tensors a load's report names as differing from the committed digests
 QUALNAME = "deltarl.rollout.worker_ext.DeltaWorkerExtension"
 """What ``VllmEngine`` passes as vLLM's ``worker_extension_cls``."""
 
@@ -135,7 +136,9 @@ class DeltaWorkerExtension:
         None for a store written without one), ``tensors`` (how many were handed over and consumed),
         ``total`` (in the version), ``readback_tensors`` (how many were read back and equal),
         ``chosen_by`` (how the changed layers were found: "committed" tensor digests, "hashed"
-        from the leased bytes, or "all" handed over), and timings in seconds.
+        from the leased bytes, or "all" handed over), ``differ`` (up to ``MAX_NAMED`` tensors
+        the engine holds otherwise than the digests committed with the version say; empty
+        without them) and ``differ_count``, and timings in seconds.
         """
         t0 = time.perf_counter()
         root = None if store_root is None else Path(store_root)
@@ -212,6 +215,14 @@ class DeltaWorkerExtension:
             self._deltarl_version = snap.version
             version = snap.version
             manifest_digest = snap.digest
+            # Which tensors the engine holds otherwise than the committed digests say: what
+            # an operator needs when the model digests differ (empty when they agree).
+            committed = snap.tensor_digests
+            differ = (
+                []
+                if committed is None
+                else [n for n, c in zip(names, committed, strict=True) if digests[n] != c]
+            )
         t_end = time.perf_counter()
         logger.info(
             "loaded weight version %d: %d of %d tensors, %d read back, in %.3f s",
@@ -225,6 +236,8 @@ class DeltaWorkerExtension:
             "version": version,
             "digest": model_digest(digests[n] for n in names),
             "manifest_digest": manifest_digest,
+            "differ": differ[:MAX_NAMED],
+            "differ_count": len(differ),
             "tensors": len(chosen),
             "total": len(names),
             "readback_tensors": readback,

@@ -17,7 +17,7 @@ from deltarl.config.rl import RolloutConfig
 from deltarl.engine.daemon import DaemonContext
 from deltarl.rl.protocol import Heartbeat, SubmitGroup
 from deltarl.rl.samples import decode_group
-from deltarl.rollout.service import RolloutService
+from deltarl.rollout.service import RolloutService, _differing
 from deltarl.transport.blobs import BlobTooLargeError, blob_digest
 from deltarl.transport.messages import Command, Error, Ok, Reply
 
@@ -255,3 +255,13 @@ def test_a_submit_beside_the_steps_that_fails_stops_the_loop(tmp_path: Path) -> 
         await service.close()
 
     asyncio.run(scenario())
+
+
+def test_a_digest_mismatch_names_the_tensors_that_differ() -> None:
+    """What the operator reads in ``unverified`` and the log when the engine's digest is not
+    the manifest's: the tensors the worker found held otherwise than the committed digests."""
+    assert _differing({"differ": [], "differ_count": 0}) == ""
+    assert _differing({}) == ""  # a worker of an older deltarl names none
+    assert _differing({"differ": ["a.w"], "differ_count": 1}) == " (tensors that differ: a.w)"
+    many = {"differ": ["a", "b"], "differ_count": 5}
+    assert _differing(many) == " (tensors that differ: a, b and 3 more)"

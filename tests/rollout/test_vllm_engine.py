@@ -281,6 +281,7 @@ def test_changed_layers_are_chosen_from_the_committed_digests_without_hashing(
     )
     assert (told["chosen_by"], told["tensors"]) == ("committed", 6)
     assert told["digest"] == told["manifest_digest"] == store_digest(store)
+    assert (told["differ"], told["differ_count"]) == ([], 0)
     weights[name] = torch.full_like(weights[name], 1.0)
     hashed = engine.update_weights(store.name, store.path.parent, commit(store, weights))
     assert (hashed["chosen_by"], hashed["tensors"]) == ("hashed", 6)
@@ -304,6 +305,8 @@ def test_a_committed_digest_that_lies_never_passes_a_wrong_engine(
     again = engine.update_weights(store.name, store.path.parent, version)
     assert again["chosen_by"] == "all"
     assert again["digest"] == store_digest(store) != again["manifest_digest"]
+    # named, for the operator: the one tensor held otherwise than its committed digest
+    assert (again["differ"], again["differ_count"]) == ([name], 1)
 
 
 def test_prefix_cache_is_shared_within_a_version_and_never_across(
