@@ -12,7 +12,9 @@ import hashlib
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from types import TracebackType
+from typing import Self
 
 import numpy as np
 import xxhash
@@ -96,6 +98,45 @@ def tensor_digests(layout: Layout, buf: np.ndarray, ids: Iterable[int] | None = 
     runs = _parts(sizes, HASH_THREADS)
     done = _hash_pool().map(lambda run: [tensor_digest(views[j]) for j in run], runs)
     return [d for part in done for d in part]
+
+
+POOLED_MIN_BYTES = 1 << 20
+"""``DigestsAsWritten`` hashes a tensor this large on the pool; a smaller one on the calling
+thread (handing it over costs about what hashing it does)."""
+
+
+class DigestsAsWritten:
+    """Each tensor's digest, taken as soon as the writer has written it, on the hash pool
+    while the writer writes the next (xxhash and torch's copies release the GIL): a publish
+    pays about the larger of its copies and its hashing over ``HASH_THREADS`` threads, not
+    their sum (a 7B bf16 model is about 1.2 s of hashing on one thread). Use as a context
+    manager: leaving it waits for every hash still running, so none outlives the buffer it
+    reads."""
+
+    def __init__(self) -> None:
+        self._parts: list[Future[str] | str] = []
+
+    def add(self, bits: np.ndarray) -> None:
+        """Hash ``bits`` (one tensor, in layout order), which must not change afterwards."""
+        if HASH_THREADS == 1 or bits.nbytes < POOLED_MIN_BYTES:
+            self._parts.append(tensor_digest(bits))
+        else:
+            self._parts.append(_hash_pool().submit(tensor_digest, bits))
+
+    def digests(self) -> list[str]:
+        """The digests, in the order added (waits for those still being hashed)."""
+        return [p if isinstance(p, str) else p.result() for p in self._parts]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        wait([p for p in self._parts if not isinstance(p, str)])
 
 
 def model_digest(digests: Iterable[str]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deltarl.codecs.checksum import tensor_digest
+from deltarl.codecs.checksum import DigestsAsWritten
 from deltarl.engine.layout import Layout
 from deltarl.sim.tiny_transformer import TinyCausalLM, TinyConfig
 
@@ -66,12 +66,14 @@ class RealisticDeltas:
         trainer's publisher does (deltarl/trainer/publisher.py)."""
         if out is None:
             out = np.zeros(self.layout.nbytes, np.uint8)
-        with torch.no_grad():
+        with torch.no_grad(), DigestsAsWritten() as hashes:
             for tid, (_, p) in enumerate(self._params):
                 bits = self.layout.view(out, tid)
                 torch.from_numpy(bits).view(torch.bfloat16).copy_(
                     p.detach().reshape(-1).to(torch.bfloat16)
                 )
                 if digests is not None:
-                    digests.append(tensor_digest(bits))  # while the bytes are in cache
+                    hashes.add(bits)  # while the bytes are in cache
+            if digests is not None:
+                digests += hashes.digests()
         return out

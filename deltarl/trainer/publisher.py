@@ -8,7 +8,8 @@ Tied parameters appear once, under their first name (for a tied LM head, the emb
 ``named_parameters`` lists them and as vLLM ties them again on load.
 
 Each tensor is hashed (xxh3-128) right after it is written, while its bytes are still in
-cache, and the digests are committed with the version: the export agent sends them instead of
+cache, on the hash pool while the next is copied (``DigestsAsWritten``), and the digests are
+committed with the version: the export agent sends them instead of
 hashing the model on the refit's path, and every receiver checks its bytes against what the
 trainer wrote (a change to the published bytes after the commit is caught, not passed on).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deltarl.codecs.checksum import tensor_digest
+from deltarl.codecs.checksum import DigestsAsWritten
 from deltarl.engine.layout import Layout
 from deltarl.engine.weight_store import WeightStore
 
@@ -70,8 +71,7 @@ class Publisher:
         for another; no tensor digests are kept then, they would disagree with it).
         """
         params = list(self.model.named_parameters())
-        digests: list[str] = []
-        with torch.no_grad(), self.store.begin_write() as txn:
+        with torch.no_grad(), self.store.begin_write() as txn, DigestsAsWritten() as hashes:
             buf = txn.buffer
             for tid, (name, p) in enumerate(params):
                 spec = self.layout.tensors[tid]
@@ -83,11 +83,11 @@ class Publisher:
                 bits = self.layout.view(buf, tid)
                 torch.from_numpy(bits).view(torch.bfloat16).copy_(p.detach().reshape(-1))
                 if digest is None:
-                    digests.append(tensor_digest(bits))  # while the bytes are in cache
+                    hashes.add(bits)  # while the bytes are in cache
             if digest is not None:
                 txn.commit(version, allow_older=allow_older, digest=digest)
             else:
-                txn.commit(version, allow_older=allow_older, tensor_digests=digests)
+                txn.commit(version, allow_older=allow_older, tensor_digests=hashes.digests())
 
     def close(self) -> None:
         self.store.close()

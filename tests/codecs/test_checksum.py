@@ -92,3 +92,30 @@ def test_hash_threads_count_the_cpus_this_process_may_use():
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "1", out.stderr
+
+
+def test_digests_as_written_are_the_tensors_digests_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Large tensors go to the pool, small ones are hashed at once; either way the digests
+    come back in the order added, equal to ``tensor_digests``, and leaving the block waits
+    for every hash still running."""
+    monkeypatch.setattr(checksum, "HASH_THREADS", 2)  # the pool, even on a one-CPU runner
+    layout = Layout.pack(
+        [("big0", "bfloat16", (3 << 20,)), ("small", "float32", (7,)), ("big1", "int8", (5 << 20,))]
+    )
+    buf = np.random.default_rng(3).integers(0, 256, layout.nbytes, dtype=np.uint8)
+    own = checksum.tensor_digest
+
+    def slow(bits: np.ndarray) -> str:
+        time.sleep(0.2)  # still running when the block is left, unless it is waited for
+        return own(bits)
+
+    monkeypatch.setattr(checksum, "tensor_digest", slow)
+    with checksum.DigestsAsWritten() as hashes:
+        for tid in range(len(layout)):
+            hashes.add(layout.view(buf, tid))
+        pending = [p for p in hashes._parts if not isinstance(p, str)]
+        assert len(pending) == 2  # the two large ones were handed to the pool
+    assert all(p.done() for p in pending)
+    assert hashes.digests() == tensor_digests(layout, buf)
