@@ -152,20 +152,20 @@ class DeltaWorkerExtension:
                     f"expected {expected_version}: it moved on or rolled back meanwhile"
                 )
             names = [spec.name for spec in snap.layout.tensors]
+            # The tensor digests the apply agent committed with the version (verified against
+            # these bytes before its flip), or None: read once, under the lease.
+            committed = snap.tensor_digests
             previous = self._deltarl_digests if only_changed else None
             packed = self._deltarl_packed()
             chosen_by = "all"
             if previous is None or set(previous) != set(names):
                 chosen = list(names)  # everything: no need to hash ahead to choose
             else:
-                # What changed: from the tensor digests the apply agent committed with the
-                # version (verified against these bytes before its flip), else from the
-                # leased bytes, a pass over the model. Either only chooses what is handed
-                # over: the reported digest comes from the bytes consumed below, and a
-                # tensor not handed over counts with the digest the engine already holds,
-                # so a table that lied could make the load fail its checks, never pass a
-                # wrong engine.
-                committed = snap.tensor_digests
+                # What changed: from the committed digests, else from the leased bytes, a
+                # pass over the model. Either only chooses what is handed over: the reported
+                # digest comes from the bytes consumed below, and a tensor not handed over
+                # counts with the digest the engine already holds, so a table that lied
+                # could make the load fail its checks, never pass a wrong engine.
                 if committed is not None:
                     ahead, chosen_by = dict(zip(names, committed, strict=True)), "committed"
                 else:
@@ -217,7 +217,6 @@ class DeltaWorkerExtension:
             manifest_digest = snap.digest
             # Which tensors the engine holds otherwise than the committed digests say: what
             # an operator needs when the model digests differ (empty when they agree).
-            committed = snap.tensor_digests
             differ = (
                 []
                 if committed is None
