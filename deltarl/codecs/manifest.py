@@ -66,6 +66,11 @@ class RefitManifest:
     def changed(self) -> int:
         return sum(t.changed for t in self.tensors)
 
+    @property
+    def tensor_digests(self) -> list[str]:
+        """Each tensor's xxh3-128, in layout order (what ``WriteTxn.commit`` keeps)."""
+        return [t.xxh3_128 for t in self.tensors]
+
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
 

@@ -527,7 +527,7 @@ class ApplyCore(DaemonCore):
                 job.version,
                 allow_older=job.base is None,
                 digest=job.manifest.model_xxh3_128,
-                tensor_digests=[t.xxh3_128 for t in job.manifest.tensors],
+                tensor_digests=job.manifest.tensor_digests,
             )
         except ValueError as e:  # checked on arrival; a commit must still never crash the agent
             await self._fail(job.version, f"cannot commit: {e}")
@@ -778,7 +778,7 @@ class ApplyCore(DaemonCore):
             undo.restores,
             allow_older=True,
             digest=undo.manifest.model_xxh3_128,
-            tensor_digests=[t.xxh3_128 for t in undo.manifest.tensors],
+            tensor_digests=undo.manifest.tensor_digests,
         )
         self.kept = None  # the other buffer holds undo.holds: no delta bridges it to the active
         logger.warning(
