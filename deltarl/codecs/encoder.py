@@ -473,8 +473,6 @@ class DeltaEncoder:
         kernels.encode_sparse(
             ref_flat,
             cur.view(bits),
-            ref.view(np.uint64),
-            cur.view(np.uint64),
             starts,
             lengths,
             out_off,

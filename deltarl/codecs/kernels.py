@@ -4,9 +4,9 @@
 five: it diffs the reference and the current version, codes each changed value against the
 reference, and writes two Golomb-Rice bit streams, one for the gaps between changed
 positions and one for the coded values. ``torch.ne`` + ``nonzero`` alone makes several full
-passes and runs at about a tenth of memcpy here. For 2-byte elements (bf16, fp16: the main
-case) the diff builds a 64-bit mask of changed elements per 64 elements from whole words
-without branches, then visits only the set bits; other widths compare word by word.
+passes and runs at about a tenth of memcpy here. The diff builds a 64-bit mask of changed
+elements per 64 elements with vector compares, without branches, then visits only the set
+bits.
 
 ``decode_sparse`` reads the two streams back into positions and coded values, validating
 as it goes, and (``write``) writes each new element into the target as it is decoded, saving
@@ -28,6 +28,14 @@ element CLASS_LEAD changes ahead of its value.
 Items run in parallel, dealt to threads by cost (``deal``). Item ``i`` writes only into its
 own regions of the output arrays, whose offsets the caller gives, so items never depend on
 each other.
+
+Hot loops index with ``np.uint64`` where the index is known not to be negative (the
+callers check every region and range against the arrays, and positions ascend from 0):
+numba wraps a signed index that is negative around to the array's end, a compare and a
+select on every access, and that kept LLVM from vectorising the diff's mask loop at all.
+Measured on one core (step 1 of the simulated 98M delta, 3.6M changes): the 2-byte masks
+alone 56 -> 17-19 ms, the whole encode kernel 110 -> 61-65 ms, decode + write 54-83 ->
+44-49 ms.
 
 Kernels never raise (a parallel loop cannot carry a message): decoders write an error code
 per item, and Python turns it into a FrameError naming the record.
@@ -95,10 +103,6 @@ _U1 = np.uint64(1)
 _U8 = np.uint64(8)
 _BYTE = np.uint64(0xFF)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
-# For 16-bit lanes: the top bit of every nonzero lane, then those four bits gathered.
-_LO15 = np.uint64(0x7FFF7FFF7FFF7FFF)
-_HI15 = np.uint64(0x8000800080008000)
-_GATHER4 = np.uint64(1 + (1 << 15) + (1 << 30) + (1 << 45))
 
 
 def rice_escape(width: int) -> int:
@@ -299,15 +303,16 @@ def _refill(src, r, end, acc, nacc):
     # dependent steps (decode 11.6 -> 9.8 ms for 3.6M changes together with the joint loop
     # of decode_sparse). Near the end, a byte a time, never past ``end``.
     if r + 8 <= end:
+        u = np.uint64(r)  # unsigned: no wraparound select on each load (module docstring)
         w = (
-            np.uint64(src[r])
-            | (np.uint64(src[r + 1]) << np.uint64(8))
-            | (np.uint64(src[r + 2]) << np.uint64(16))
-            | (np.uint64(src[r + 3]) << np.uint64(24))
-            | (np.uint64(src[r + 4]) << np.uint64(32))
-            | (np.uint64(src[r + 5]) << np.uint64(40))
-            | (np.uint64(src[r + 6]) << np.uint64(48))
-            | (np.uint64(src[r + 7]) << np.uint64(56))
+            np.uint64(src[u])
+            | (np.uint64(src[u + _U1]) << np.uint64(8))
+            | (np.uint64(src[u + np.uint64(2)]) << np.uint64(16))
+            | (np.uint64(src[u + np.uint64(3)]) << np.uint64(24))
+            | (np.uint64(src[u + np.uint64(4)]) << np.uint64(32))
+            | (np.uint64(src[u + np.uint64(5)]) << np.uint64(40))
+            | (np.uint64(src[u + np.uint64(6)]) << np.uint64(48))
+            | (np.uint64(src[u + np.uint64(7)]) << np.uint64(56))
         )
         take = (63 - nacc) >> 3
         acc |= (w & ((_U1 << np.uint64(take * 8)) - _U1)) << np.uint64(nacc)
@@ -404,27 +409,29 @@ def _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv, cls, chist):
     """
     p = e - s
     coding, sign_shift, magnitude, mask, is_float = code
-    new = cur[e]
-    old = np.uint64(ref[e])
+    ue = np.uint64(e)  # both unsigned: no wraparound selects (module docstring)
+    uo = np.uint64(o + c)
+    new = cur[ue]
+    old = np.uint64(ref[ue])
     z = _code_value(np.uint64(new), old, coding, sign_shift, magnitude, mask, is_float)
     if cls is not None:
         k = (old & magnitude) >> (sign_shift - np.uint64(CLASS_BITS))
-        cls[o + c] = k
+        cls[uo] = k
         _tally(chist[k], z - _U1)
     if adv is not None:
         # Here the element's cache line was just read: a write now costs its write-back
         # only. A pass after the diff cost 15 ms on a 98M model at 2.5% changed (the
         # changes touch half the lines), as much as half a copy of the model.
-        adv[e] = new
-    pos[o + c] = p
-    zval[o + c] = z
+        adv[ue] = new
+    pos[uo] = p
+    zval[uo] = z
     _tally(hist[0], np.uint64(p - prev - 1))
     _tally(hist[1], z - _U1)
     return c + 1, p
 
 
 @njit(cache=True)
-def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv, cls, chist):
+def _diff_item(ref, cur, s, n, o, pos, zval, code, hist, adv, cls, chist):
     """Write the changed positions (relative to s) and coded values of one item; return count.
     Unless ``adv`` is None, each changed element's new bits go into it too, after its mask is
     built and its old bits read (``adv`` may be ``ref``).
@@ -435,53 +442,39 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv, cls, c
     """
     c = 0
     prev = np.int64(-1)
-    if ref.itemsize == 2:
-        # Per 64 elements (16 words): the top bit of each nonzero 16-bit lane of the XOR,
-        # gathered into 4 bits per word, makes a 64-bit mask of changed elements. Two passes
-        # per block of MASK_BLOCK masks: every mask first, in a loop that does nothing else,
-        # which the compiler vectorises; then the set bits. Building each mask and visiting
-        # its bits in one loop kept the mask arithmetic scalar: measured on 32M bf16
-        # elements, 17.5 ms against 6.0 for an unchanged range, 15.2 against 11.8 at 3.7%
-        # changed (bench/codec.py's step 1). The block (8 KiB of each buffer) is still in L1
-        # when its bits are visited and their values read; masks over a whole 1M-element
-        # item sent those reads back to L3: 50 ms against 44 for 98M elements at 3.7%.
-        nb = n // 64
-        w0 = s // 4
-        masks = np.empty(MASK_BLOCK, np.uint64)
-        for b0 in range(0, nb, MASK_BLOCK):
-            b1 = min(nb, b0 + MASK_BLOCK)
-            for b in range(b0, b1):
-                base = w0 + b * 16
-                m = _U0
-                for j in range(16):
-                    x = refw[base + j] ^ curw[base + j]
-                    lanes = (((x & _LO15) + _LO15) | x) & _HI15
-                    nib = ((lanes >> np.uint64(15)) * _GATHER4) >> np.uint64(45) & np.uint64(0xF)
-                    m |= nib << np.uint64(4 * j)
-                masks[b - b0] = m
-            for b in range(b0, b1):
-                m = masks[b - b0]
-                e = s + b * 64
-                while m != _U0:
-                    j = np.int64(trailing_zeros(m))
-                    c, prev = _emit(
-                        ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv, cls, chist
-                    )
-                    m &= m - _U1
-        tail = s + nb * 64
-    else:
-        lanes = 8 // ref.itemsize
-        w0 = s // lanes
-        nw = n // lanes
-        for w in range(w0, w0 + nw):
-            if refw[w] != curw[w]:
-                e = w * lanes
-                for j in range(lanes):
-                    if ref[e + j] != cur[e + j]:
-                        c, prev = _emit(
-                            ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv, cls, chist
-                        )
-        tail = s + nw * lanes
+    # Per 64 elements: one bit per element that differs makes a 64-bit mask of changed
+    # elements, compiled to vector compares straight into a mask, for any width (17-19 ms
+    # for 98M bf16 elements on one core, where gathering the top bits of the 16-bit lanes
+    # of the words' XOR took 56, and other widths compared word by word). Two passes per
+    # block of MASK_BLOCK masks: every mask first, in a loop that does nothing else, which
+    # the compiler vectorises; then the set bits. Building each mask and visiting its bits
+    # in one loop kept the mask arithmetic scalar: measured on 32M bf16 elements, 17.5 ms
+    # against 6.0 for an unchanged range, 15.2 against 11.8 at 3.7% changed (bench/
+    # codec.py's step 1). The block (8 KiB of each buffer at 2 bytes) is still in L1 when
+    # its bits are visited and their values read; masks over a whole 1M-element item sent
+    # those reads back to L3: 50 ms against 44 for 98M elements at 3.7%.
+    nb = n // 64
+    masks = np.empty(MASK_BLOCK, np.uint64)
+    for b0 in range(0, nb, MASK_BLOCK):
+        b1 = min(nb, b0 + MASK_BLOCK)
+        for b in range(b0, b1):
+            # unsigned: with signed indices this loop does not vectorise (docstring)
+            base = np.uint64(s + b * 64)
+            m = _U0
+            for j in range(64):
+                u = base + np.uint64(j)
+                m |= np.uint64(ref[u] != cur[u]) << np.uint64(j)
+            masks[b - b0] = m
+        for b in range(b0, b1):
+            m = masks[b - b0]
+            e = s + b * 64
+            while m != _U0:
+                j = np.int64(trailing_zeros(m))
+                c, prev = _emit(
+                    ref, cur, e + j, s, o, c, prev, pos, zval, code, hist, adv, cls, chist
+                )
+                m &= m - _U1
+    tail = s + nb * 64
     for e in range(tail, s + n):
         if ref[e] != cur[e]:
             c, prev = _emit(ref, cur, e, s, o, c, prev, pos, zval, code, hist, adv, cls, chist)
@@ -492,8 +485,6 @@ def _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv, cls, c
 def encode_sparse(  # numba kernels are typed by their arguments
     ref,  # flat uintN view of the reference buffer
     cur,  # flat uintN view of the current buffer
-    refw,  # the same reference bytes as uint64 words
-    curw,  # the same current bytes as uint64 words
     starts,  # int64[n]: first element of each item in the flat view
     lengths,  # int64[n]: elements in each item
     out_off,  # int64[n]: each item's region in pos / zval (as long as the item)
@@ -536,7 +527,7 @@ def encode_sparse(  # numba kernels are typed by their arguments
             hist = np.zeros((2, 65), np.int64)
             # no rows unless classes are tallied: zeroing them costs a little per item
             chist = np.zeros((N_CLASSES if cls is not None else 0, _CLASS_LENGTHS), np.int64)
-            c = _diff_item(ref, cur, refw, curw, s, n, o, pos, zval, code, hist, adv, cls, chist)
+            c = _diff_item(ref, cur, s, n, o, pos, zval, code, hist, adv, cls, chist)
             counts[i] = c
             classed[i] = False
             if c == 0:
@@ -570,7 +561,8 @@ def encode_sparse(  # numba kernels are typed by their arguments
                     )
             prev = np.int64(-1)
             for j in range(c):
-                p = np.int64(pos[o + j])
+                oj = np.uint64(o + j)
+                p = np.int64(pos[oj])
                 gap = np.uint64(p - prev - 1)
                 prev = p
                 dp, accp, naccp = _put_rice(
@@ -578,9 +570,9 @@ def encode_sparse(  # numba kernels are typed by their arguments
                 )
                 k = kv
                 if cls is not None and by_class:
-                    k = ks[cls[o + j]]
+                    k = ks[cls[oj]]
                 dv, accv, naccv = _put_rice(
-                    val_dst, dv, accv, naccv, zval[o + j] - _U1, k, escape, width
+                    val_dst, dv, accv, naccv, zval[oj] - _U1, k, escape, width
                 )
             pos_len[i] = _flush(pos_dst, dp, accp, naccp) - pos_cap_off[i]
             val_len[i] = _flush(val_dst, dv, accv, naccv) - val_cap_off[i]
@@ -690,8 +682,9 @@ def decode_sparse(
                         if err != OK:
                             break
                         prev = at
-                        positions[slot] = at
-                        cl = np.int64((np.uint64(reference[b + at]) & magnitude) >> class_shift)
+                        positions[np.uint64(slot)] = at
+                        ra = np.uint64(b + at)
+                        cl = np.int64((np.uint64(reference[ra]) & magnitude) >> class_shift)
                         if cl < lo or cl >= lo + n_cls:
                             err = NO_CLASS
                             break
@@ -699,8 +692,8 @@ def decode_sparse(
                         ahead += 1
                     if err != OK:
                         break
-                    p = np.int64(positions[o + j])
-                    k = np.int64(zval[o + j])
+                    p = np.int64(positions[np.uint64(o + j)])
+                    k = np.int64(zval[np.uint64(o + j)])
                 else:
                     k = kv
                     err, p, rp, accp, naccp = _next_position(
@@ -717,13 +710,14 @@ def decode_sparse(
                     err = BAD_VALUE
                     break
                 z = v + _U1
-                positions[o + j] = p
-                zval[o + j] = z
+                oj = np.uint64(o + j)  # unsigned indices: module docstring
+                positions[oj] = p
+                zval[oj] = z
                 if write:
                     # reference before target: they may be one buffer
-                    e = b + p
+                    e = np.uint64(b + p)
                     old = np.uint64(reference[e])
-                    prior[o + j] = target[e]
+                    prior[oj] = target[e]
                     target[e] = _decode_value(z, old, coding, sign_shift, magnitude, mask, fl)
                 j += 1
             done[i] = j if write else 0
@@ -783,7 +777,8 @@ def undo_sparse(target, bases, done, out_off, positions, prior, order, bounds):
             b = bases[i]
             o = out_off[i]
             for j in range(done[i]):
-                target[b + np.int64(positions[o + j])] = prior[o + j]
+                oj = np.uint64(o + j)
+                target[np.uint64(b + np.int64(positions[oj]))] = prior[oj]
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -825,8 +820,9 @@ def scatter_sparse(
             b = bases[i]
             o = out_off[i]
             for j in range(counts[i]):
-                e = b + np.int64(positions[o + j])
+                oj = np.uint64(o + j)  # unsigned indices: module docstring
+                e = np.uint64(b + np.int64(positions[oj]))
                 old = np.uint64(reference[e])
                 target[e] = _decode_value(
-                    np.uint64(zval[o + j]), old, coding, sign_shift, magnitude, mask, is_float
+                    np.uint64(zval[oj]), old, coding, sign_shift, magnitude, mask, is_float
                 )

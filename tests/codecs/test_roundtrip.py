@@ -771,21 +771,28 @@ def test_item_elems_not_a_multiple_of_64(item_elems: int) -> None:
     assert apply(layout, chunks, e.manifest, ref, inplace=False).tobytes() == cur.tobytes()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "uint8", "float32", "int64"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["separate", "in-place"])
-def test_changes_at_the_mask_block_edges_of_one_long_item(inplace: bool) -> None:
+def test_changes_at_the_mask_block_edges_of_one_long_item(inplace: bool, dtype: str) -> None:
     """One item of three whole mask blocks (4096 elements each), a partial one and a tail of
     fewer than 64 elements; changes on every block edge and at random between them, so each
     block's masks, the partial block and the scalar tail are all visited, and the streams are
-    long enough for the decoder's word-at-a-time refill and its byte-at-a-time end."""
+    long enough for the decoder's word-at-a-time refill and its byte-at-a-time end. Every
+    width builds its masks the same way (kernels._diff_item): each is checked, with a change
+    in the top bit of some elements (a mask built from a signed compare would miss or
+    misplace them)."""
     numel = 3 * 4096 + 640 + 5
-    layout = Layout.pack([("x", "bfloat16", (numel,))])
+    layout = Layout.pack([("x", dtype, (numel,))])
     rng = np.random.default_rng(5)
     ref = fill_reference(layout, rng, 0.1)
     cur = ref.copy()
-    x = layout.view(cur, "x").view(np.uint16)
+    x = layout.view(cur, "x")
+    bits = x.view(f"<u{x.dtype.itemsize}")
     edges = [0, 63, 64, 4095, 4096, 8191, 8192, 12287, 12288, 12288 + 639, numel - 5, numel - 1]
     chosen = np.union1d(edges, rng.choice(numel, 700, replace=False))
-    x[chosen] ^= np.uint16(1)
+    bits[chosen] ^= bits.dtype.type(1)
+    top = chosen[::7]
+    bits[top] ^= bits.dtype.type(1 << (8 * bits.dtype.itemsize - 1))
     chunks, manifest = encode(layout, cur, ref, item_elems=1 << 20, dense_threshold=1.0)
     assert manifest.tensors[0].changed == chosen.size
     target = apply(layout, chunks, manifest, ref, inplace=inplace)
