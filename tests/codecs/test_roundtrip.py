@@ -778,9 +778,9 @@ def test_changes_at_the_mask_block_edges_of_one_long_item(inplace: bool, dtype: 
     fewer than 64 elements; changes on every block edge and at random between them, so each
     block's masks, the partial block and the scalar tail are all visited, and the streams are
     long enough for the decoder's word-at-a-time refill and its byte-at-a-time end. Every
-    width builds its masks the same way (kernels._diff_item): each is checked, with a change
-    in the top bit of some elements (a mask built from a signed compare would miss or
-    misplace them)."""
+    width builds its masks the same way (kernels._diff_item): each is checked, and some
+    elements have their top bit flipped as well (sign flips: the largest coded values,
+    which take the Rice escape)."""
     numel = 3 * 4096 + 640 + 5
     layout = Layout.pack([("x", dtype, (numel,))])
     rng = np.random.default_rng(5)
