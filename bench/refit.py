@@ -295,6 +295,16 @@ class Refits:
                 "open_s": applied["open_s"],
                 # Of apply_s: tensors hashed as later chunks landed (the verify skips them).
                 "early_hash_s": applied["early_hash_s"],
+                # The apply's parts (deltarl/refit/receiver_state.py): the worker's own time
+                # in its calls, its CPU time, decoding, keeping; and the settle after the
+                # last commit, which this version's first chunk may have queued behind.
+                "apply_s": applied["apply_s"],
+                "apply_calls_s": applied["apply_calls_s"],
+                "apply_cpu_s": applied["apply_cpu_s"],
+                "decode_s": applied["decode_s"],
+                "keep_s": applied["keep_s"],
+                "chunks": applied["chunks"],
+                "settle": self.d.fields("apply").get("last_settle"),
                 "first_chunk_after_s": opened_at - last["started_at"],
                 "sent_to_commit_s": applied["committed_at"] - last["sent_at"],
                 # The acknowledgement's own latency: the flip to the export agent hearing of it

@@ -100,6 +100,19 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
             f"{d['commit_to_ack_s'] * 1e3:.2f} ms after the commit; "
             f"{d['early_hash_s'] * 1e3:.1f} ms of apply hashed tensors as chunks landed"
         )
+        if "apply_calls_s" in d:
+            settle = d.get("settle")
+            lines.append(
+                f"    apply {d['apply_s'] * 1e3:.1f} ms over {d['chunks']} chunk(s): the worker "
+                f"{d['apply_calls_s'] * 1e3:.1f} ms (CPU {d['apply_cpu_s'] * 1e3:.1f} ms; decode "
+                f"and write {d['decode_s'] * 1e3:.1f}, keep {d['keep_s'] * 1e3:.1f}, early hash "
+                f"{d['early_hash_s'] * 1e3:.1f}); last settle: "
+                + (
+                    "none"
+                    if settle is None
+                    else f"to version {settle['version']} in {settle['seconds'] * 1e3:.1f} ms"
+                )
+            )
     sealed = result.get("sealed")
     if sealed is not None:
         lines.append(

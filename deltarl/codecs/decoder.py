@@ -453,11 +453,30 @@ class VersionApply:
         self._writes = np.zeros(len(layout), np.int64)  # per tensor: chunks that wrote it
         self._early: dict[int, tuple[int, str]] = {}  # tensor -> (its _writes then, digest)
         self._hashed_below = 0  # tensors below this one were hashed early (class docstring)
+        # Where ``apply``'s own time goes, summed over its calls (the agent reports them; a
+        # stage that grows while these do not is waiting, not working):
+        self.calls_s = 0.0
+        """Wall seconds inside ``apply`` calls."""
+        self.cpu_s = 0.0
+        """CPU seconds of the calling thread inside them: well under ``calls_s`` means the
+        thread was kept off its CPU (another thread or process ran there)."""
+        self.decode_s = 0.0
+        """Of ``calls_s``: decoding and writing the chunks (``decode_apply_chunk``)."""
+        self.keep_s = 0.0
+        """Of ``calls_s``: copying the decoded chunks for ``keep``."""
         self.early_hash_s = 0.0
-        """Seconds ``apply`` spent hashing tensors early (part of its own time)."""
+        """Of ``calls_s``: hashing tensors early."""
 
     def apply(self, data: bytes | bytearray | memoryview) -> bool:
         """Apply one chunk; False if it was a duplicate and changed nothing."""
+        t, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return self._apply(data)
+        finally:
+            self.calls_s += time.perf_counter() - t
+            self.cpu_s += time.thread_time() - cpu
+
+    def _apply(self, data: bytes | bytearray | memoryview) -> bool:
         header = FrameHeader.parse(memoryview(data).cast("B"))
         seen = self.applied.get(header.chunk_id)
         if seen is not None and header.target == self.version:
@@ -470,6 +489,7 @@ class VersionApply:
         # A MemoryError while writing leaves the target partly written (FrameError saying
         # so): this version's apply is refused as a whole (the caller fails it), so the
         # half-written target is never activated.
+        t = time.perf_counter()
         decoded = decode_apply_chunk(
             data,
             self.layout,
@@ -479,9 +499,12 @@ class VersionApply:
             target=self.version,
             scratch=_default_scratch(),
         )
+        kept = time.perf_counter()
+        self.decode_s += kept - t
         self.applied[header.chunk_id] = header.checksum
         if self.keep is not None:
             self.keep.append(owned(decoded))
+            self.keep_s += time.perf_counter() - kept
         if self.hash_chunks:
             self.hashes[header.chunk_id] = chunk_hash(data)
         written = sorted({r.tensor_id for r in decoded.records})

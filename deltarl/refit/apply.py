@@ -185,6 +185,8 @@ class ApplyCore(DaemonCore):
         self.newest_sent: tuple[int, float] | None = None
         self.undo: Undo | None = None
         self.settle_failures = 0
+        # The last settle: the version it brought the other buffer to, and its seconds.
+        self.last_settle: dict[str, Any] | None = None
         self.refused_items = 0  # chunks and manifests refused before any use (counted, logged)
         self.seal_failures = 0  # of those, manifests whose seal did not hold (forged?)
         # version -> chunk id -> why it was refused: a version whose manifest lists one of
@@ -563,6 +565,14 @@ class ApplyCore(DaemonCore):
             "apply_s": job.apply_s,
             # Of apply_s: hashing tensors as later chunks landed, which verify_s then skips.
             "early_hash_s": job.apply.early_hash_s,
+            # apply_s's parts: the worker thread's own time in its calls (wall and CPU: the
+            # difference is time it was kept off its CPU), of which decoding and writing,
+            # keeping the decoded delta; apply_s less apply_calls_s is waiting on the loop.
+            "apply_calls_s": job.apply.calls_s,
+            "apply_cpu_s": job.apply.cpu_s,
+            "decode_s": job.apply.decode_s,
+            "keep_s": job.apply.keep_s,
+            "chunks": len(job.apply.applied),
             "verify_s": t_commit - t_verify,
             "commit_s": t_done - t_commit,
         }
@@ -597,6 +607,7 @@ class ApplyCore(DaemonCore):
         base_manifest = None if kept is None else self.manifests.get(kept.base)
         if kept is None or base_manifest is None or self.draining:
             return
+        started = time.monotonic()
         try:
             txn = await asyncio.to_thread(self.store.begin_write, 0.0)
         except (LeaseTimeout, WriterBusy) as e:
@@ -608,6 +619,7 @@ class ApplyCore(DaemonCore):
                 return
             undo = await asyncio.to_thread(kept.catch_up_with_undo, txn.layout, txn.buffer)
             txn.settle(kept.version, digest=self.digests.get(kept.version))
+            self.last_settle = {"version": kept.version, "seconds": time.monotonic() - started}
         except Exception as e:  # noqa: BLE001 - the buffer is marked EMPTY; the next copies
             txn.abort()
             self.settle_failures += 1
@@ -703,6 +715,8 @@ class ApplyCore(DaemonCore):
             "last_opened_by": self._last_opened_by,
             "catch_up": self.config.catch_up,
             "settle_failures": self.settle_failures,
+            # Off the refit's path, but a next version's chunks wait for it in the queue.
+            "last_settle": self.last_settle,
             # A rollback from the active version writes this back (catch_up.py, ``eager``).
             "undo": None
             if self.undo is None

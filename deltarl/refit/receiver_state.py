@@ -66,6 +66,18 @@ class ReceiverState(Event, Reply):
     commit_s: float = 0.0
     early_hash_s: float = 0.0
     """Of ``apply_s``: tensors hashed as later chunks landed, which the verify skipped."""
+    apply_calls_s: float = 0.0
+    """Of ``apply_s``: the worker thread's own time applying (the rest waited for the
+    agent's event loop)."""
+    apply_cpu_s: float = 0.0
+    """The worker thread's CPU time in those calls (less than ``apply_calls_s``: it was
+    kept off its CPU)."""
+    decode_s: float = 0.0
+    """Of ``apply_calls_s``: decoding the chunks and writing the changes."""
+    keep_s: float = 0.0
+    """Of ``apply_calls_s``: copying the decoded delta to keep (catch-up)."""
+    chunks: int = 0
+    """Chunks the applied version came in."""
     members: dict[str, Any] = field(default_factory=dict)
     """A relay root's children, by label: reachable, active_version, relay counters."""
 

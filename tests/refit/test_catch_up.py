@@ -219,6 +219,15 @@ def test_eager_keeps_the_inactive_buffer_current_and_rolls_back_by_undo(tmp_path
             assert sorted(_buffers(store)) == [("READY", v, False), ("READY", v, True)]
             assert core.undo is not None
             assert (core.undo.holds, core.undo.restores) == (v, v - 1)
+            # where the apply's time went, and the settle just made (deltarl ctl apply status)
+            status = core.status_fields()
+            last = status["last_applied"]
+            assert last["chunks"] == len(tx.encoded(v, v - 1)[0]) > 0
+            parts = last["decode_s"] + last["keep_s"] + last["early_hash_s"]
+            assert 0 < parts <= last["apply_calls_s"] <= last["apply_s"]
+            assert last["apply_cpu_s"] > 0
+            assert status["last_settle"]["version"] == v
+            assert status["last_settle"]["seconds"] > 0
         assert core.status_fields()["opened_by"] == {"settled": 4, "copy": 1, "catch_up": 0}
         assert core.status_fields()["undo"] == {"holds": 5, "restores": 4}
         wrong = await core.on_rollback(Rollback(version=3))
