@@ -21,9 +21,10 @@ from deltarl.codecs.decoder import (
     decode_chunk,
 )
 from deltarl.codecs.encoder import DeltaEncoder
-from deltarl.codecs.frame import POS_DENSE, POS_RICE, FrameError
+from deltarl.codecs.frame import POS_DENSE, POS_RICE, VAL_CLASSED, FrameError
+from deltarl.engine.layout import Layout
 from tests.codecs.forge import Forged
-from tests.codecs.sample_delta import BASE, TARGET, Case, assert_refused
+from tests.codecs.sample_delta import BASE, TARGET, Case, apply_ok, assert_refused
 from tests.codecs.test_conditioned import LAYOUT as CONDITIONED_LAYOUT
 from tests.codecs.test_conditioned import _versions as conditioned_versions
 
@@ -135,3 +136,51 @@ def test_an_error_between_the_widths_undoes_the_first(
             if r.itemsize == 1 and r.pos_coding != POS_DENSE
         )
     ]
+
+
+def _one_tensor_delta(density: float, classes: bool) -> tuple[Case, int]:
+    """A bf16 tensor of 64K elements in records of 32K, ``density`` of them changed by an
+    optimizer-like step, in one chunk; and the first Rice record's index."""
+    layout = Layout.pack([("w", "bfloat16", (1 << 16,))])
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 0.02, 1 << 16).astype(np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    ref = np.zeros(layout.nbytes, np.uint8)
+    layout.view(ref, "w")[:] = bits
+    cur = ref.copy()
+    # the same small step for the elements that move: how many ulps it is depends on the
+    # exponent (what classes code), and most of them move by at least one
+    step = rng.normal(0, 1e-3, bits.size).astype(np.float32) * (rng.random(bits.size) < density)
+    held = (bits.astype(np.uint32) << 16).view(np.float32)
+    layout.view(cur, "w")[:] = ((held + step).view(np.uint32) >> 16).astype(np.uint16)
+    enc = DeltaEncoder(layout, item_elems=1 << 15, value_classes=classes)
+    e = enc.encode(cur, ref, target_version=TARGET, base_version=BASE)
+    (chunk,) = [c.data for c in e]
+    assert e.manifest is not None
+    case = Case(layout, ref, cur, chunk, e.manifest, [chunk], e.manifest)
+    f = Forged.parse(chunk)
+    i = next(j for j, r in enumerate(f.records) if r.pos_coding == POS_RICE)
+    return case, i
+
+
+@pytest.mark.parametrize("classes", [False, True], ids=["one-k", "classed"])
+@pytest.mark.parametrize("density", [0.01, 0.2], ids=["sparse", "dense"])
+def test_positions_decoded_ahead_of_the_values(
+    undone: list[int], classes: bool, density: float
+) -> None:
+    """A written record decodes its positions CLASS_LEAD changes ahead of its values (and
+    prefetches their cache lines) when its values are classed or it has fewer changes than
+    cache lines; else each position as its value comes. Either way: the same bytes, and a
+    record whose position stream runs out while the positions lead (it claims one change
+    more than it holds) is refused with the writes made so far put back."""
+    case, i = _one_tensor_delta(density, classes)
+    f = Forged.parse(case.chunk)
+    r = f.records[i]
+    assert (r.val_coding == VAL_CLASSED) == classes
+    assert (r.changed * 32 < r.length) == (density < 0.03)  # 32 bf16 elements a line
+    assert r.changed > 4 * kernels.CLASS_LEAD
+    assert apply_ok(case, case.chunk).tobytes() == case.cur.tobytes()
+    f.edit(i, changed=r.changed + 1)
+    assert_refused(case, f.seal(), rf"record {i} .*a bit stream ends before all changed")
+    assert len(undone) == 2  # separately and in place, each after real writes
+    assert all(n > 0 for n in undone)
