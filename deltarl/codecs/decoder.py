@@ -499,12 +499,12 @@ class VersionApply:
             target=self.version,
             scratch=_default_scratch(),
         )
-        kept = time.perf_counter()
-        self.decode_s += kept - t
+        decoded_at = time.perf_counter()
+        self.decode_s += decoded_at - t
         self.applied[header.chunk_id] = header.checksum
         if self.keep is not None:
             self.keep.append(owned(decoded))
-            self.keep_s += time.perf_counter() - kept
+            self.keep_s += time.perf_counter() - decoded_at
         if self.hash_chunks:
             self.hashes[header.chunk_id] = chunk_hash(data)
         written = sorted({r.tensor_id for r in decoded.records})

@@ -26,6 +26,7 @@ from deltarl.engine.layout import Layout
 from tests.codecs.forge import Forged
 from tests.codecs.sample_delta import BASE, TARGET, Case, apply_ok, assert_refused
 from tests.codecs.test_conditioned import LAYOUT as CONDITIONED_LAYOUT
+from tests.codecs.test_conditioned import _as_f32, _bf16
 from tests.codecs.test_conditioned import _versions as conditioned_versions
 
 
@@ -143,16 +144,14 @@ def _one_tensor_delta(density: float, classes: bool) -> tuple[Case, int]:
     optimizer-like step, in one chunk; and the first Rice record's index."""
     layout = Layout.pack([("w", "bfloat16", (1 << 16,))])
     rng = np.random.default_rng(7)
-    x = rng.normal(0, 0.02, 1 << 16).astype(np.float32)
-    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    bits = _bf16(rng.normal(0, 0.02, 1 << 16))
     ref = np.zeros(layout.nbytes, np.uint8)
     layout.view(ref, "w")[:] = bits
     cur = ref.copy()
     # the same small step for the elements that move: how many ulps it is depends on the
     # exponent (what classes code), and most of them move by at least one
     step = rng.normal(0, 1e-3, bits.size).astype(np.float32) * (rng.random(bits.size) < density)
-    held = (bits.astype(np.uint32) << 16).view(np.float32)
-    layout.view(cur, "w")[:] = ((held + step).view(np.uint32) >> 16).astype(np.uint16)
+    layout.view(cur, "w")[:] = _bf16(_as_f32(bits) + step)
     enc = DeltaEncoder(layout, item_elems=1 << 15, value_classes=classes)
     e = enc.encode(cur, ref, target_version=TARGET, base_version=BASE)
     (chunk,) = [c.data for c in e]
