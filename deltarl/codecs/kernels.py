@@ -686,7 +686,8 @@ def decode_sparse(
     class_shift = np.uint64(max(width - 1 - CLASS_BITS, 0))
     per_line = max(512 // width, 1)  # elements per 64-byte cache line
     for th in prange(bounds.shape[0] - 1):
-        ks = np.zeros(N_CLASSES, np.int64)
+        ks = np.zeros(N_CLASSES, np.int64)  # a classed record's table: from its first class
+        kc = np.zeros(N_CLASSES, np.int64)  # the same by class (below)
         for q in range(bounds[th], bounds[th + 1]):
             i = order[q]
             n = counts[i]
@@ -731,18 +732,43 @@ def decode_sparse(
             # their own, apart, which the hardware's stream prefetch does not fetch ahead
             # (denser, it does, and leading only costs: module docstring).
             lead = by_class or (write and n * per_line < length)
+            if by_class and err == OK:  # a refused table's range may lie outside kc
+                # Every class's parameter at its own index, -1 for those the table leaves
+                # out: one load and one compare a change. (Reading the table straight into
+                # this form, in _read_class_table, made the loop below slower for records
+                # without classes, 0.91-0.93x at step 1: LLVM laid it out otherwise.)
+                for c in range(N_CLASSES):
+                    kc[c] = -1
+                for c in range(n_cls):
+                    kc[lo + c] = ks[c]
+            # A change reads its reference element (its class; its old bits) and writes its
+            # target element: loads from anywhere in the model. Made in the value's own step,
+            # each load that misses holds the reorder buffer until it lands, so only a few are
+            # in flight at once; at a percent or two changed, where each change has a cache
+            # line of its own that the hardware does not fetch ahead, that wait was most of
+            # the decode (module docstring). So positions run CLASS_LEAD changes ahead of the
+            # values, each prefetching its lines, which then hit in the value step: the first
+            # CLASS_LEAD here, then one a step in the loop below (a loop nested there instead,
+            # as before, cost classed records 8-12% at step 1).
+            if lead and err == OK:  # not past a refused class table
+                while ahead < n and ahead < CLASS_LEAD:
+                    slot = o + ahead
+                    err, at, rp, accp, naccp = _next_position(
+                        given, positions, slot, pos_src, rp, endp, accp, naccp, kp, prev, length
+                    )
+                    if err != OK:
+                        break
+                    prev = at
+                    positions[np.uint64(slot)] = at
+                    ra = np.uint64(b + at)
+                    _prefetch_read(reference, ra)
+                    if write:
+                        _prefetch_write(target, ra)
+                    ahead += 1
             while j < n and err == OK:
                 oj = np.uint64(o + j)  # unsigned indices: module docstring
                 if lead:
-                    # A change reads its reference element (its class; its old bits) and
-                    # writes its target element: loads from anywhere in the model. Made in
-                    # the value's own step, each load that misses holds the reorder buffer
-                    # until it lands, so only a few are in flight at once; at a percent or
-                    # two changed, where each change has a cache line of its own that the
-                    # hardware does not fetch ahead, that wait was most of the decode (module
-                    # docstring). So positions run CLASS_LEAD changes ahead of the values,
-                    # each prefetching its lines, which then hit in the value step.
-                    while ahead < n and ahead <= j + CLASS_LEAD:
+                    if ahead < n:
                         slot = o + ahead
                         err, at, rp, accp, naccp = _next_position(
                             given, positions, slot, pos_src, rp, endp, accp, naccp, kp, prev, length
@@ -756,17 +782,15 @@ def decode_sparse(
                         if write:
                             _prefetch_write(target, ra)
                         ahead += 1
-                    if err != OK:
-                        break
                     p = np.int64(positions[oj])
+                    e = np.uint64(b + p)
                     k = kv
                     if by_class:
-                        ra = np.uint64(b + p)
-                        cl = np.int64((np.uint64(reference[ra]) & magnitude) >> class_shift)
-                        if cl < lo or cl >= lo + n_cls:
+                        # a hit: its line was prefetched CLASS_LEAD changes ago
+                        k = kc[(np.uint64(reference[e]) & magnitude) >> class_shift]
+                        if k < 0:
                             err = NO_CLASS
                             break
-                        k = ks[cl - lo]
                 else:
                     k = kv
                     err, p, rp, accp, naccp = _next_position(
@@ -775,6 +799,7 @@ def decode_sparse(
                     if err != OK:
                         break
                     prev = p
+                    e = np.uint64(b + p)
                 v, rv, accv, naccv, ok = _get_rice(val_src, rv, endv, accv, naccv, k, width, width)
                 if not ok:
                     err = EXHAUSTED
@@ -783,11 +808,11 @@ def decode_sparse(
                     err = BAD_VALUE
                     break
                 z = v + _U1
-                positions[oj] = p
+                if not lead:  # leading, the position is stored already
+                    positions[oj] = p
                 zval[oj] = z
                 if write:
                     # reference before target: they may be one buffer
-                    e = np.uint64(b + p)
                     old = np.uint64(reference[e])
                     prior[oj] = target[e]
                     target[e] = _decode_value(z, old, coding, sign_shift, magnitude, mask, fl)
