@@ -301,6 +301,15 @@ def apply_chunk(
     _write(chunk, layout, target, reference, rice_written=False)
 
 
+def apply_chunk_flips(chunk: DecodedChunk, layout: Layout, target: np.ndarray) -> list[np.ndarray]:
+    """``apply_chunk`` in place (the reference is the target), returning for each sparse batch
+    the XOR of every changed element's bits before and after, at its slot in the batch's
+    ``zval`` (its dtype): what undoes the sparse writes, taken in the same pass."""
+    flips = [np.zeros_like(b.zval) for b in chunk.sparse]
+    _write(chunk, layout, target, target, rice_written=False, flips=flips)
+    return flips
+
+
 def _check_raw(records: list[RecordHeader]) -> None:
     """FrameError unless every record carries raw values (needs no reference)."""
     if any(r.val_coding != VAL_RAW for r in records):
@@ -314,10 +323,12 @@ def _write(
     reference: np.ndarray,
     *,
     rice_written: bool,
+    flips: list[np.ndarray] | None = None,
 ) -> None:
     """apply_chunk's writes; with ``rice_written``, not those of the records
-    decode_apply_chunk wrote as it decoded them."""
-    for batch in chunk.sparse:
+    decode_apply_chunk wrote as it decoded them; with ``flips`` (one per sparse batch), the
+    XOR of each element's old and new bits written there (``apply_chunk_flips``)."""
+    for n, batch in enumerate(chunk.sparse):
         left = ~batch.rice if rice_written else np.ones(len(batch.rice), bool)
         if not left.any():  # the common case after decode_apply_chunk: every record written
             continue
@@ -330,7 +341,7 @@ def _write(
                 sel = left & (is_float == flag) & (batch.codings == coding)
                 if not sel.any():
                     continue
-                kernels.scatter_sparse(
+                args = (
                     target.view(bits),
                     read_only(reference.view(bits)),
                     bases[sel],
@@ -340,8 +351,11 @@ def _write(
                     batch.zval,
                     int(coding),
                     flag,
-                    *kernels.deal(batch.counts[sel]),
                 )
+                if flips is None:
+                    kernels.scatter_sparse(*args, *kernels.deal(batch.counts[sel]))
+                else:
+                    kernels.scatter_sparse_flips(*args, flips[n], *kernels.deal(batch.counts[sel]))
     for h, coded in chunk.dense:
         spec = layout.tensors[h.tensor_id]
         is_float = dtype_of(spec.dtype).kind == "float"

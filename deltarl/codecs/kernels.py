@@ -907,19 +907,73 @@ def scatter_sparse(
     Records cover disjoint ranges, so parallel records never write the same element. Reading
     the reference before writing the target makes it safe for the two to be one buffer.
     """
+    for th in prange(bounds.shape[0] - 1):
+        for q in range(bounds[th], bounds[th + 1]):
+            i = order[q]
+            _scatter_record(
+                target,
+                reference,
+                bases[i],
+                counts[i],
+                out_off[i],
+                positions,
+                zval,
+                coding,
+                is_float,
+                zval,
+                False,
+            )
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def scatter_sparse_flips(
+    target,
+    reference,
+    bases,
+    counts,
+    out_off,
+    positions,
+    zval,
+    coding,
+    is_float,
+    flips,
+    order,
+    bounds,
+):
+    """``scatter_sparse``, also writing into ``flips`` (at each change's slot in zval) the XOR
+    of the bits it replaced and the bits it wrote: what undoes the writes, in the same pass
+    (refit/catch_up.py keeps it; two gathers of the changed elements around the scatter cost
+    more than the scatter itself)."""
+    for th in prange(bounds.shape[0] - 1):
+        for q in range(bounds[th], bounds[th + 1]):
+            i = order[q]
+            _scatter_record(
+                target,
+                reference,
+                bases[i],
+                counts[i],
+                out_off[i],
+                positions,
+                zval,
+                coding,
+                is_float,
+                flips,
+                True,
+            )
+
+
+@njit(inline="always")
+def _scatter_record(target, reference, b, n, o, positions, zval, coding, is_float, flips, record):
+    """One record of ``scatter_sparse`` (``record``: of ``scatter_sparse_flips``)."""
     width = target.itemsize * 8
     sign_shift = np.uint64(width - 1)
     mask = _ALL >> np.uint64(64 - width)
     magnitude = mask >> _U1
-    for th in prange(bounds.shape[0] - 1):
-        for q in range(bounds[th], bounds[th + 1]):
-            i = order[q]
-            b = bases[i]
-            o = out_off[i]
-            for j in range(counts[i]):
-                oj = np.uint64(o + j)  # unsigned indices: module docstring
-                e = np.uint64(b + np.int64(positions[oj]))
-                old = np.uint64(reference[e])
-                target[e] = _decode_value(
-                    np.uint64(zval[oj]), old, coding, sign_shift, magnitude, mask, is_float
-                )
+    for j in range(n):
+        oj = np.uint64(o + j)  # unsigned indices: module docstring
+        e = np.uint64(b + np.int64(positions[oj]))
+        old = np.uint64(reference[e])
+        new = _decode_value(np.uint64(zval[oj]), old, coding, sign_shift, magnitude, mask, is_float)
+        if record:
+            flips[oj] = np.uint64(target[e]) ^ new
+        target[e] = new

@@ -10,7 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from deltarl.codecs import kernels
-from deltarl.codecs.decoder import DecodedChunk, VersionApply, apply_chunk, read_only
+from deltarl.codecs.decoder import (
+    DecodedChunk,
+    VersionApply,
+    apply_chunk,
+    apply_chunk_flips,
+    read_only,
+)
 from deltarl.codecs.encoder import CONDITIONED_CODERS, DeltaEncoder
 from deltarl.codecs.frame import VAL_ORDERED_DELTA, VAL_XOR
 from deltarl.engine.layout import Layout
@@ -70,10 +76,13 @@ def warm_up() -> None:
         # The apply agent then brings its other buffer from the base to the version by the
         # chunks it kept, in place (refit/catch_up.py): the scatter of every record, which
         # the apply itself wrote as it decoded and so compiled only for the conditioned.
-        behind = ref.copy()
+        # After a commit (``eager``), the same while recording what undoes it.
+        behind, settled = ref.copy(), ref.copy()
         for decoded in kept:
             apply_chunk(decoded, layout, behind, behind)
+            apply_chunk_flips(decoded, layout, settled)
         assert np.array_equal(behind, current)
+        assert np.array_equal(settled, current)
         if conditioned:
             codings = {t.dtype: t.coding for t in encoding.manifest.tensors}
             assert codings["bfloat16"] == codings["float32"] == "conditioned", codings

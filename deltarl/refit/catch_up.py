@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deltarl.codecs.decoder import DecodedChunk, SparseBatch, apply_chunk
+from deltarl.codecs.decoder import DecodedChunk, apply_chunk, apply_chunk_flips
 from deltarl.codecs.frame import VAL_XOR
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.engine.layout import Layout
@@ -74,19 +74,16 @@ class KeptDelta:
 
     def catch_up_with_undo(self, layout: Layout, target: np.ndarray) -> list[DecodedChunk]:
         """``catch_up``, returning what undoes it: the same positions, each with the XOR of
-        its old and new bits (chunks ``apply_chunk`` writes back)."""
+        its old and new bits (chunks ``apply_chunk`` writes back). The scatter records the
+        XORs as it writes (``apply_chunk_flips``): gathering the changed elements before and
+        after took 23 of the 36 ms this took for the 1.3M changes of a simulated 98M delta."""
         undo = []
         for chunk in self.chunks:
-            before = [_gather(layout, target, b) for b in chunk.sparse]
             dense_before = [_dense(layout, target, h).copy() for h, _ in chunk.dense]
-            apply_chunk(chunk, layout, target, target)
+            flips = apply_chunk_flips(chunk, layout, target)
             sparse = [
-                dataclasses.replace(
-                    b,
-                    codings=np.full_like(b.codings, VAL_XOR),
-                    zval=(old ^ _gather(layout, target, b)).astype(b.zval.dtype),
-                )
-                for b, old in zip(chunk.sparse, before, strict=True)
+                dataclasses.replace(b, codings=np.full_like(b.codings, VAL_XOR), zval=flipped)
+                for b, flipped in zip(chunk.sparse, flips, strict=True)
             ]
             dense = [
                 (dataclasses.replace(h, val_coding=VAL_XOR), old ^ _dense(layout, target, h))
@@ -94,21 +91,6 @@ class KeptDelta:
             ]
             undo.append(DecodedChunk(chunk.header, list(chunk.records), sparse, dense, 0))
         return undo
-
-
-def _indices(layout: Layout, b: SparseBatch) -> np.ndarray:
-    """Every element a sparse batch writes, as an index into the buffer viewed at its width."""
-    first = b.bases(layout)
-    out = np.empty(int(b.counts.sum()), np.int64)
-    for i in range(len(first)):
-        o, n = int(b.out_off[i]), int(b.counts[i])
-        out[o : o + n] = first[i] + b.positions[o : o + n].astype(np.int64)
-    return out
-
-
-def _gather(layout: Layout, target: np.ndarray, b: SparseBatch) -> np.ndarray:
-    bits = target.view(np.dtype(f"<u{b.itemsize}"))
-    return bits[_indices(layout, b)].astype(np.uint64)
 
 
 def _dense(layout: Layout, target: np.ndarray, h: object) -> np.ndarray:
