@@ -90,14 +90,43 @@ def tensor_digests(layout: Layout, buf: np.ndarray, ids: Iterable[int] | None = 
     in the order given. Large sets are hashed by ``HASH_THREADS`` threads (xxhash releases the
     GIL), each over a contiguous run of tensors of about equal bytes; the digests are the same
     whatever the split."""
-    chosen = list(range(len(layout)) if ids is None else ids)
-    views = [layout.view(buf, i) for i in chosen]
-    sizes = [v.nbytes for v in views]
-    if HASH_THREADS == 1 or sum(sizes) < PARALLEL_MIN_BYTES:
-        return [tensor_digest(v) for v in views]
-    runs = _parts(sizes, HASH_THREADS)
-    done = _hash_pool().map(lambda run: [tensor_digest(views[j]) for j in run], runs)
-    return [d for part in done for d in part]
+    return PendingDigests(layout, buf, ids).result()
+
+
+class PendingDigests:
+    """``tensor_digests`` begun: a large set is hashed on the pool while the caller goes on
+    (a small one, or any on a process with one hashing thread, is hashed here and now, where
+    handing it over would only cost). The caller must not write these tensors until
+    ``result`` or ``cancel`` returns, and must call one of them before the buffer may go away
+    (a hash still running reads it)."""
+
+    def __init__(self, layout: Layout, buf: np.ndarray, ids: Iterable[int] | None = None) -> None:
+        chosen = list(range(len(layout)) if ids is None else ids)
+        views = [layout.view(buf, i) for i in chosen]
+        sizes = [v.nbytes for v in views]
+        self._parts: list[Future[list[str]] | list[str]]
+        if HASH_THREADS == 1 or sum(sizes) < PARALLEL_MIN_BYTES:
+            self._parts = [[tensor_digest(v) for v in views]]
+            return
+        pool = _hash_pool()
+        self._parts = [
+            pool.submit(lambda run: [tensor_digest(views[j]) for j in run], run)
+            for run in _parts(sizes, HASH_THREADS)
+        ]
+
+    def result(self) -> list[str]:
+        """The digests, in the order of the ids given (waits for those still being hashed)."""
+        return [d for p in self._parts for d in (p if isinstance(p, list) else p.result())]
+
+    def cancel(self) -> None:
+        """Give the digests up: drop the runs not begun (``wait`` for those running)."""
+        for p in self._parts:
+            if isinstance(p, Future):
+                p.cancel()
+
+    def wait(self) -> None:
+        """Return once no run reads the buffer (done, dropped or failed)."""
+        wait([p for p in self._parts if isinstance(p, Future)])
 
 
 POOLED_MIN_BYTES = 1 << 20

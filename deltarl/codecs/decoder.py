@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from deltarl.codecs import conditioned, kernels
-from deltarl.codecs.checksum import chunk_checksum, chunk_hash, model_digest, tensor_digests
+from deltarl.codecs.checksum import (
+    PendingDigests,
+    chunk_checksum,
+    chunk_hash,
+    model_digest,
+    tensor_digests,
+)
 from deltarl.codecs.frame import (
     CHECKSUM_OFFSET,
     HEADER_SIZE,
@@ -434,6 +440,13 @@ class VersionApply:
     out of order costs a hash again, never a stale one. That needs this apply to be the
     target's only writer while it is open, which the store's write lock makes so (its
     transaction is held from the job's start to its commit or abort).
+
+    The early hashes run on the hash pool (``PendingDigests``) while the next chunk is
+    decoded or still on the wire. A chunk that writes a tensor while it is hashed (a chunk
+    out of order) raises the tensor's ``_writes`` count, and the digest is kept with the
+    count at the hash's start, so a torn digest is never used. Once opened, an apply ends in
+    ``verify`` or ``close`` (both wait for the hashes still running, ``verify`` even when it
+    refuses): only then may another write its target, or the target go away.
     """
 
     def __init__(
@@ -466,6 +479,8 @@ class VersionApply:
         self.hashes: dict[int, str] = {}  # chunk id -> BLAKE2b-256, with hash_chunks
         self._writes = np.zeros(len(layout), np.int64)  # per tensor: chunks that wrote it
         self._early: dict[int, tuple[int, str]] = {}  # tensor -> (its _writes then, digest)
+        # Early hashes not yet collected into _early: (tensors, their _writes then, hashes).
+        self._hashing: list[tuple[list[int], list[int], PendingDigests]] = []
         self._hashed_below = 0  # tensors below this one were hashed early (class docstring)
         # Where ``apply``'s own time goes, summed over its calls (the agent reports them; a
         # stage that grows while these do not is waiting, not working):
@@ -479,7 +494,7 @@ class VersionApply:
         self.keep_s = 0.0
         """Of ``calls_s``: copying the decoded chunks for ``keep``."""
         self.early_hash_s = 0.0
-        """Of ``calls_s``: hashing tensors early."""
+        """Of ``calls_s``: hashing tensors early, or handing them to the pool to hash."""
 
     def apply(self, data: bytes | bytearray | memoryview) -> bool:
         """Apply one chunk; False if it was a duplicate and changed nothing."""
@@ -533,16 +548,36 @@ class VersionApply:
         if not ids:
             return
         t = time.perf_counter()
-        for i, digest in zip(ids, tensor_digests(self.layout, self.target, ids), strict=True):
-            self._early[i] = (int(self._writes[i]), digest)
+        writes = [int(self._writes[i]) for i in ids]
+        self._hashing.append((ids, writes, PendingDigests(self.layout, self.target, ids)))
         self._hashed_below = tensor
         self.early_hash_s += time.perf_counter() - t
 
     def early_digests(self) -> dict[int, str]:
-        """The digests taken early that still hold: no chunk wrote their tensor since."""
+        """The digests taken early that still hold: no chunk wrote their tensor since (waits
+        for the early hashes still running)."""
+        for ids, writes, pending in self._hashing:
+            self._early.update(zip(ids, zip(writes, pending.result(), strict=True), strict=True))
+        self._hashing.clear()
         return {i: d for i, (w, d) in self._early.items() if w == self._writes[i]}
 
+    def close(self) -> None:
+        """End an apply that will not be verified (refused, failed, superseded): drop the
+        early hashes not begun and wait for those running, so none reads the target after
+        this returns. ``verify`` does the same; calling both is harmless."""
+        for _, _, pending in self._hashing:  # all dropped first: none starts while we wait
+            pending.cancel()
+        for _, _, pending in self._hashing:
+            pending.wait()
+        self._hashing.clear()
+
     def verify(self, manifest: RefitManifest) -> None:
+        try:
+            self._verify(manifest)
+        finally:
+            self.close()  # nothing left running on a refusal either (class docstring)
+
+    def _verify(self, manifest: RefitManifest) -> None:
         if manifest.version != self.version or manifest.base_version != (
             NO_BASE if self.base is None else self.base
         ):

@@ -451,6 +451,9 @@ class ApplyCore(DaemonCore):
 
     def _end_job(self, *, abort: bool) -> None:
         if self.job is not None and abort:
+            # Its early hashes may still read the target (VersionApply's docstring): waited
+            # for here, a run of tensors at most (a few ms), before the buffer is given up.
+            self.job.apply.close()
             self.job.txn.abort()
         self.job = None
         self._job_done.set()
