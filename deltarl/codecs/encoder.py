@@ -348,7 +348,11 @@ class DeltaEncoder:
         Tried and not kept (bench refit, 98M parameters, two cores): waves ramping up from an
         eighth of ``chunk_bytes`` at the start and down to it at the end. At 100 Mbit it did
         no better than these; at 1 Gbit, where the encoder and the apply agent share the
-        cores, its medians were 222-240 ms against 201-206."""
+        cores, its medians were 222-240 ms against 201-206. Again with each agent on a core
+        of its own, the first and last waves a quarter of ``chunk_bytes`` (three runs by
+        turns at 1 Gbit, 8 refits each): each refit 1.06-1.25x its slowest stage against
+        1.10-1.24x, medians 79-89 ms against 80-107: no better; the ends are not what
+        the refits lose."""
         wave: list[Piece] = []
         size = 0
         for tid, spec in enumerate(self.layout.tensors):
