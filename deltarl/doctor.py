@@ -167,10 +167,13 @@ def check_refit(statuses: Mapping[str, Any]) -> Check:
             "is the trainer publishing? see deltarl ctl export status and its log",
         )
     version = last["version"]
+    # At or past it: with the pipeline running, an agent may hold a newer version whose
+    # acknowledgement the export agent had not recorded when it answered (run_checks asks
+    # the export agents first, so an agent behind it is one that did not apply it).
     problems = [
         f"{n} holds {f.get('active_version')}"
         for n, f in applies.items()
-        if f.get("active_version") != version
+        if not isinstance(f.get("active_version"), int) or f["active_version"] < version
     ]
     for n, f in rollouts.items():
         if f.get("mismatches"):
@@ -355,7 +358,14 @@ def run_checks(
     config, configs = check_config(path, tables)
     # Only the tables that load: a bad one has failed "config", its endpoint is unusable.
     endpoints = {n: c.control for n, c in configs.items()}
-    statuses = asyncio.run(ask_statuses(endpoints, timeout_s))
+    # The export agents first: a version one reports active was acknowledged, so committed
+    # by its apply agent before it answered, and every answer asked after is at least as new
+    # (asked all at once, an apply agent could answer just before a commit that the export
+    # agent's answer, just after the acknowledgement, already counts: check_refit).
+    exports = {n: e for n, e in endpoints.items() if isinstance(configs[n], ExportConfig)}
+    statuses = asyncio.run(ask_statuses(exports, timeout_s))
+    rest = {n: e for n, e in endpoints.items() if n not in exports}
+    statuses.update(asyncio.run(ask_statuses(rest, timeout_s)))
     checks = [config, check_reachable(statuses), check_versions(statuses)]
     steps: list[tuple[str, Callable[[], Check]]] = [("refit", lambda: check_refit(statuses))]
     if exercise:
