@@ -96,9 +96,9 @@ def tensor_digests(layout: Layout, buf: np.ndarray, ids: Iterable[int] | None = 
 class PendingDigests:
     """``tensor_digests`` begun: a large set is hashed on the pool while the caller goes on
     (a small one, or any on a process with one hashing thread, is hashed here and now, where
-    handing it over would only cost). The caller must not write these tensors until
-    ``result`` or ``cancel`` returns, and must call one of them before the buffer may go away
-    (a hash still running reads it)."""
+    handing it over would only cost). Until ``result`` or ``wait`` returns, a hash may still
+    read the buffer: the caller must not write these tensors before (a digest would be
+    torn) nor let the buffer go away (``cancel`` first drops the runs not begun)."""
 
     def __init__(self, layout: Layout, buf: np.ndarray, ids: Iterable[int] | None = None) -> None:
         chosen = list(range(len(layout)) if ids is None else ids)
