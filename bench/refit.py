@@ -76,7 +76,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -95,18 +94,13 @@ from deltarl.ops.placement import format_cpu_list, halves
 from deltarl.transport.curve import make_keys
 from deltarl.transport.data_keys import KEYS_ENV
 from deltarl.transport.messages import Command, Ok, Pause, Resume, Resync
+from deltarl.transport.ports import free_port
 
 STREAM_PORT = 47_311  # inside the namespaces nothing else listens
 
 
 class BenchError(RuntimeError):
     """The bench could not run to the end; the message says why (with the daemons' logs)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _link_table(link: str, host: str, port: int, tmp: Path, sealed: bool) -> dict[str, Any]:
@@ -359,7 +353,7 @@ def run(
             host, port = shaped.addr_b, STREAM_PORT
             prefixes = {"export": shaped.exec_prefix("a"), "apply": shaped.exec_prefix("b")}
         else:
-            host, port = "127.0.0.1", _free_port()
+            host, port = "127.0.0.1", free_port()
         link_table = _link_table(link, host, port, tmp, sealed)
         tables = _tables(
             tmp,

@@ -41,7 +41,6 @@ import dataclasses
 import datetime
 import logging
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +54,7 @@ from torch import nn
 
 from deltarl.ops.parent_death import signal_on_parent_death
 from deltarl.trainer.grpo import GRPOBatch, GRPOConfig, StepStats, train_step
+from deltarl.transport.ports import free_port
 
 if TYPE_CHECKING:
     from deltarl.config.rl import RLTrainerConfig
@@ -161,12 +161,6 @@ def receive_batch(rows: int, cols: int) -> GRPOBatch:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def comm_device() -> torch.device:
     """Where this rank's collective tensors live: NCCL moves GPU tensors only, gloo CPU ones."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -216,7 +210,7 @@ class Workers:
         """Start the workers and join the group with them (rank 0, training on ``device``).
         Call before anything else touches torch.distributed in this process."""
         cfg = self.config
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         spec = cfg.checkpoint_dir / SPEC_NAME
         record = dataclasses.asdict(cfg)

@@ -8,7 +8,6 @@ a link, relay children) instead of copying a TOML template.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,9 @@ from deltarl.engine.weight_store import WeightStore
 from deltarl.launch import DaemonDied, DaemonGroup, WaitTimeout
 from deltarl.transport.control import request_sync
 from deltarl.transport.messages import GetStatus, Ok, Pause, Status
+from deltarl.transport.ports import free_port
 
 PARAMS = 200_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def shm_link(tmp: Path, name: str = "t") -> dict[str, Any]:

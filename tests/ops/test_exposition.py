@@ -22,6 +22,7 @@ from deltarl.config import ConfigError, load, write_toml
 from deltarl.config.reward import RewardConfig
 from deltarl.ops import metrics
 from deltarl.ops.exposition import MAX_REQUEST_BYTES, MetricsServer, parse_address
+from deltarl.transport.ports import free_port
 
 
 def test_parse_address() -> None:
@@ -149,12 +150,6 @@ def test_the_metrics_key_is_checked_where_the_table_is_read(tmp_path: Path) -> N
     assert load(RewardConfig, "reward", str(config)).metrics == "127.0.0.1:9400"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _scrape(url: str, deadline_s: float) -> str:
     end = time.monotonic() + deadline_s
     while True:
@@ -172,7 +167,7 @@ def test_a_daemon_process_serves_its_runtime_and_a_busy_port_is_a_config_error(
 ) -> None:
     """The reward daemon (the lightest one) as a real process: its runtime's series at
     scrape time; a second one on the same port exits 78 (EX_CONFIG) and says why."""
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "deltarl.toml"
     write_toml(
         config,

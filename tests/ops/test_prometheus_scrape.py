@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import orjson
 import pytest
 
+from deltarl.transport.ports import free_port_block
 from tests.installed import require_vllm
 from tests.ops.helpers import ctl_json
 
@@ -45,24 +45,6 @@ pytestmark = pytest.mark.timeout(900)
 
 DAEMONS = ("scheduler", "trainer", "export", "apply", "rollout")
 SCRAPE_S = 0.5
-
-
-def _free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on loopback."""
-    for base in range(20000, 60000, 97):
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError("no free port range on loopback")
 
 
 class Prom:
@@ -96,7 +78,7 @@ class Prom:
 
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[tuple[Prom, int]]:
-    base = _free_ports(len(DAEMONS) + 1)
+    base = free_port_block(len(DAEMONS) + 1)
     targets = [f"127.0.0.1:{base + i}" for i in range(len(DAEMONS))]
     config = tmp_path / "prometheus.yml"
     config.write_text(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import struct
 import types
 from collections import Counter
@@ -29,6 +28,7 @@ from deltarl.transport.base import (
     make_sender,
 )
 from deltarl.transport.link_config import ShmLinkConfig, StreamLinkConfig
+from deltarl.transport.ports import free_port
 from deltarl.transport.shm_link import ShmReceiver, ShmSender
 from deltarl.transport.stream import StreamReceiver, StreamSender
 from deltarl.transport.stream_wire import (
@@ -80,12 +80,6 @@ async def collect(
 
 def stream_config(port: int, **kw: Any) -> StreamLinkConfig:
     return StreamLinkConfig(host=HOST, port=port, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 # -- delivery -----------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from deltarl.transport.base import (
     make_sender,
 )
 from deltarl.transport.link_config import UcxLinkConfig
+from deltarl.transport.ports import free_port
 from deltarl.transport.stream_wire import WireError
 from deltarl.transport.ucx_link import CHUNK, UcxReceiver, UcxSender, pack_header, unpack_header
 
@@ -30,12 +30,6 @@ HOST = "127.0.0.1"
 
 def run(main: Callable[[], Awaitable[None]], timeout: float = 20.0) -> None:
     asyncio.run(asyncio.wait_for(main(), timeout))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 Item = tuple[str, int, int, bytes]  # ("chunk" or "manifest", version, chunk id, data)
