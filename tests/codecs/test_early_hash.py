@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,12 +55,23 @@ def delta() -> Delta:
     return Delta(layout, ref, cur, chunks, e.manifest)
 
 
+class CountingPool(ThreadPoolExecutor):
+    """The pool, counting what is handed to it (dropped or not)."""
+
+    submitted = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
 class HeldHashes:
     """Replaces ``tensor_digest`` on the pool's threads: each call takes its digest of the
     bytes as they are when it starts, then waits for ``release`` before returning it, so a
     test can write the target, or end the apply, while the hash is running."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: CountingPool) -> None:
+        self.pool = pool
         self.release = threading.Event()
         self.started = 0
         self.running = 0
@@ -85,9 +97,9 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldHashes]:
     monkeypatch.setattr(checksum, "HASH_THREADS", 2)
     monkeypatch.setattr(checksum, "PARALLEL_MIN_BYTES", 0)
     # A pool of its own with two threads, whatever the host: at most two hashes run at once.
-    pool = ThreadPoolExecutor(2, thread_name_prefix="held-xxh3")
+    pool = CountingPool(2, thread_name_prefix="held-xxh3")
     monkeypatch.setattr(checksum, "_pool", pool)
-    hashes = HeldHashes()
+    hashes = HeldHashes(pool)
     monkeypatch.setattr(checksum, "tensor_digest", hashes)
     yield hashes
     hashes.release.set()  # a failed test leaves nothing waiting
@@ -166,7 +178,9 @@ def test_close_waits_for_running_hashes_and_drops_the_rest(delta: Delta, held: H
     _in_thread(lambda: (apply.close(), closed.set()))
     assert not closed.wait(0.2), "close returned while a hash still read the target"
     started = held.started
-    assert started <= checksum.HASH_THREADS  # the rest wait behind the held ones
+    # two run, held; the rest wait behind them and must be dropped, not run
+    assert started == 2
+    assert held.pool.submitted > started + 1, held.pool.submitted
     held.release.set()
     assert closed.wait(WAIT_S)
     assert held.running == 0
