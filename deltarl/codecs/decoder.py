@@ -11,10 +11,10 @@ what it held before.
 
 Values are reference-coded (docs/architecture.md: the receiver holds the reference, so a coder may
 condition on it), and the new bits are written absolutely. Applying a chunk computes
-``target[p] = decode(coded, reference[p])``: with the reference kept separate from the target
-(the apply agent reads the active buffer and writes the inactive one), applying a chunk twice
-writes the same bits twice and is harmless. When target and reference are the same buffer
-(in place), a chunk must be applied at most once; VersionApply enforces that by chunk id.
+``target[p] = decode(coded, reference[p])``: with the reference kept separate from the target,
+applying a chunk twice writes the same bits twice and is harmless. When target and reference
+are the same buffer (in place: the apply agent's target, once it holds the base, and the
+catch-up), a chunk must be applied at most once; VersionApply enforces that by chunk id.
 """
 
 from __future__ import annotations

@@ -172,6 +172,53 @@ def test_a_catch_up_that_goes_wrong_never_activates_bad_bytes(tmp_path: Path) ->
     run(go())
 
 
+class _WrongWhereTheNextDeltaWrites(KeptDelta):
+    """A catch-up that brings the target to its version, but one byte of an element the
+    next delta changes comes out wrong."""
+
+    at = 0
+
+    def catch_up(self, layout: Layout, target: np.ndarray) -> None:
+        super().catch_up(layout, target)
+        target[self.at] ^= 0x01
+
+
+def test_a_delta_is_applied_against_its_target_so_a_wrong_base_fails_verify(
+    tmp_path: Path,
+) -> None:
+    """The apply reads each changed element's base from the target it writes (in place), not
+    from the active buffer. Fault injection: the target's base is wrong exactly where the next
+    delta writes. That version is refused by its verify (its bytes are not the manifest's),
+    the active version stays, and a re-send copies and applies bit-exact. Read from the active
+    buffer, the wrong byte would have been overwritten and gone unnoticed."""
+    layout, vs = _versions(5)
+    tx = Sender(layout, vs)
+    changed = np.flatnonzero(vs[3].view(np.uint16) != vs[2].view(np.uint16))
+    assert changed.size > 0
+
+    async def go() -> None:
+        core, _, store = _core(tmp_path, layout)
+        for v, base in ((0, None), (1, 0), (2, 1)):
+            await tx.send(core, v, *tx.encoded(v, base))
+        assert core.kept is not None
+        wrong = _WrongWhereTheNextDeltaWrites(2, 1, core.kept.chunks)
+        wrong.at = int(changed[0]) * 2  # the low byte of the first element delta 3 changes
+        core.kept = wrong
+        await tx.send(core, 3, *tx.encoded(3, 2))
+        state = core.receiver_state()
+        assert core.status_fields()["last_opened_by"] == "catch_up"
+        assert (state.active_version, state.failed_version) == (2, 3)
+        assert "differ after apply" in state.failed_reason
+        assert_active(store, vs, 2)
+        core.finished.pop(3)  # a re-send in a new slot is accepted the same way
+        await tx.send(core, 3, *tx.encoded(3, 2))
+        assert_active(store, vs, 3)
+        assert core.status_fields()["last_opened_by"] == "copy"
+        store.close()
+
+    run(go())
+
+
 def test_kept_delta_bridges_only_its_own_base_to_its_own_version() -> None:
     k = KeptDelta(5, 4)
     assert k.nbytes == 0
