@@ -44,9 +44,9 @@ def warm_up() -> None:
     # The export agent encodes straight from a store's read-only mapping or from a writable
     # copy: numba types a read-only array apart from a writable one, so both are compiled
     # (else the first refit of a process compiles for seconds). The decoder passes its inputs
-    # read-only whatever it is given (decoder.read_only): one reference serves the applies.
+    # read-only whatever it is given (decoder.read_only): the applies compile the same
+    # kernels whether their reference is the target (in place) or another buffer.
     cur_ro = read_only(cur.copy())
-    ref_ro = read_only(ref.copy())
     cases = [
         (VAL_ORDERED_DELTA, cur, None),
         (VAL_XOR, cur, None),
@@ -66,9 +66,11 @@ def warm_up() -> None:
             conditioned_coder=coder or "range",
         ).encode(current, ref, target_version=1, base_version=0)
         chunks = list(encoding)
-        # The apply agent's reference is the store's read-only view of the active buffer.
+        # As the apply agent applies a delta: in place, its target (holding the base) being
+        # its own reference.
         kept: list[DecodedChunk] = []
-        apply = VersionApply(layout, ref.copy(), ref_ro, base=0, version=1, keep=kept)
+        target = ref.copy()
+        apply = VersionApply(layout, target, target, base=0, version=1, keep=kept)
         for chunk in chunks:
             apply.apply(chunk.data)
         assert encoding.manifest is not None
