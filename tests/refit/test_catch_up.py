@@ -107,6 +107,23 @@ def test_a_broken_chain_falls_back_to_the_copy(tmp_path: Path) -> None:
     run(go())
 
 
+async def _refused_by_verify_then_copied(
+    core: ApplyCore, store: WeightStore, tx: Sender, vs: list[np.ndarray]
+) -> None:
+    """Delta 2 -> 3, opened by a catch-up that left wrong bytes: its verify refuses it and
+    version 2 stays; sent again, it opens by the copy and applies bit-exact."""
+    await tx.send(core, 3, *tx.encoded(3, 2))
+    state = core.receiver_state()
+    assert core.status_fields()["last_opened_by"] == "catch_up"
+    assert (state.active_version, state.failed_version) == (2, 3)
+    assert "differ after apply" in state.failed_reason
+    assert_active(store, vs, 2)
+    core.finished.pop(3)  # a re-send in a new slot is accepted the same way
+    await tx.send(core, 3, *tx.encoded(3, 2))
+    assert_active(store, vs, 3)
+    assert core.status_fields()["last_opened_by"] == "copy"
+
+
 class _Crashing(KeptDelta):
     """A catch-up that writes garbage into part of the target, then fails."""
 
@@ -157,16 +174,7 @@ def test_a_catch_up_that_goes_wrong_never_activates_bad_bytes(tmp_path: Path) ->
                 for c in forged
             ],
         )
-        await tx.send(core, 3, *tx.encoded(3, 2))
-        state = core.receiver_state()
-        assert (state.active_version, state.failed_version) == (2, 3)
-        assert "differ after apply" in state.failed_reason
-        with store.lease() as snap:
-            assert np.array_equal(snap.buffer, vs[2])
-        core.finished.pop(3)  # a re-send in a new slot is accepted the same way
-        await tx.send(core, 3, *tx.encoded(3, 2))
-        assert_active(store, vs, 3)
-        assert core.status_fields()["last_opened_by"] == "copy"
+        await _refused_by_verify_then_copied(core, store, tx, vs)
         store.close()
 
     run(go())
@@ -204,16 +212,7 @@ def test_a_delta_is_applied_against_its_target_so_a_wrong_base_fails_verify(
         wrong = _WrongWhereTheNextDeltaWrites(2, 1, core.kept.chunks)
         wrong.at = int(changed[0]) * 2  # the low byte of the first element delta 3 changes
         core.kept = wrong
-        await tx.send(core, 3, *tx.encoded(3, 2))
-        state = core.receiver_state()
-        assert core.status_fields()["last_opened_by"] == "catch_up"
-        assert (state.active_version, state.failed_version) == (2, 3)
-        assert "differ after apply" in state.failed_reason
-        assert_active(store, vs, 2)
-        core.finished.pop(3)  # a re-send in a new slot is accepted the same way
-        await tx.send(core, 3, *tx.encoded(3, 2))
-        assert_active(store, vs, 3)
-        assert core.status_fields()["last_opened_by"] == "copy"
+        await _refused_by_verify_then_copied(core, store, tx, vs)
         store.close()
 
     run(go())
