@@ -52,7 +52,7 @@ def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
 
 def _outside(low: int, high: int, count: int) -> list[range]:
     """Ranges of first ports whose ``count`` consecutive ports all lie outside [low, high]."""
-    spans = [range(LOWEST, low - count + 1), range(high + 1, HIGHEST - count + 2)]
+    spans = [range(LOWEST, low - count + 1), range(max(high + 1, LOWEST), HIGHEST - count + 2)]
     return [span for span in spans if len(span) > 0]
 
 

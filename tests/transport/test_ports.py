@@ -89,6 +89,11 @@ def test_every_candidate_taken_is_a_clear_error() -> None:
         free_port_block(1, ephemeral=ephemeral)
 
 
+def test_a_range_below_the_lowest_leaves_the_ports_above_it() -> None:
+    for _ in range(20):
+        assert ports.LOWEST <= free_port_block(1, ephemeral=(1024, 5000)) <= ports.HIGHEST
+
+
 def test_a_range_covering_every_port_is_refused_with_the_setting_named() -> None:
     with pytest.raises(NoFreePortError, match="ip_local_port_range"):
         free_port_block(1, ephemeral=(1024, 65535))
