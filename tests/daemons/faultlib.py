@@ -21,7 +21,8 @@ from typing import Any
 
 import orjson
 
-from tests.daemons.pipeline import Pipeline, free_port, refit_tables, stream_link
+from deltarl.transport.ports import free_port
+from tests.daemons.pipeline import Pipeline, refit_tables, stream_link
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST_WAIT_S = 5.0  # the export agent records a manifest before it sends it: a margin

@@ -25,11 +25,11 @@ from deltarl.transport.control import request_sync
 from deltarl.transport.curve import make_keys
 from deltarl.transport.data_keys import KEYS_ENV
 from deltarl.transport.messages import Ok, Resume
+from deltarl.transport.ports import free_port
 from deltarl.transport.stream_wire import MSG_CHUNK, MSG_MANIFEST, pack_header
 from tests.daemons.pipeline import (
     Pipeline,
     apply_table,
-    free_port,
     refit_tables,
     shm_link,
     stream_link,

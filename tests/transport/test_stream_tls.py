@@ -17,10 +17,11 @@ from deltarl.transport.base import LinkError
 from deltarl.transport.curve import make_keys
 from deltarl.transport.data_keys import KEYS_ENV, DataKeyError, DataKeys, link_keys
 from deltarl.transport.link_config import StreamLinkConfig
+from deltarl.transport.ports import free_port
 from deltarl.transport.stream import StreamReceiver, StreamSender
 from deltarl.transport.stream_wire import MSG_CHUNK, MSG_MANIFEST
 from tests.transport.linkdata import encoded_versions, run
-from tests.transport.test_stream import HOST, collect, frame, free_port, stream_config
+from tests.transport.test_stream import HOST, collect, frame, stream_config
 
 
 @pytest.fixture
