@@ -11,10 +11,14 @@ the result bit for bit against the trainer's version, and reports:
   publisher.py), so it hashes nothing; timed in the same rounds. The hash is then the
   trainer's, at publish time, off the refit's path;
 - apply_gbps: model bytes per second of decode + scatter + verifying every tensor's xxh3-128,
-  in place (the buffer written is the reference: a receiver that holds one copy);
+  in place (the buffer written is the reference), as the apply agent applies a delta: its
+  inactive buffer, brought to the base version by the kept delta (or a copy), is its own
+  reference (deltarl/refit/apply.py);
 - apply_two_buffers_gbps: the same, reading the reference from one buffer and writing the
-  other, which holds the same version (as the apply agent does: it reads the active buffer
-  and writes the inactive one, brought to the active version by the kept delta);
+  other, which holds the same version. The apply agent did this until it applied in place;
+  no receiver does now. It is still measured (a key of the JSON, a figure for comparison with
+  results from before, and a check that the decoder's separate-reference path stays
+  bit-exact), but it is no target: the text output reports it without a verdict;
 - memcpy_gbps: a copy of the same number of bytes, measured in the same run;
 - writes_gbps and verify_gbps: the two parts of apply_gbps that are not decoding, each alone,
   in the same rounds: writing the already decoded changes into the buffer (``apply_chunk``)
@@ -384,7 +388,8 @@ def _measure(
             times["enc"][k].append(time.perf_counter() - t)
             manifests[k] = e.manifest
         # In place, as a receiver that holds one copy would: the reference is the target.
-        # Then (two_buffers) reading the reference from another buffer, as the apply agent does.
+        # Then (two_buffers) reading the reference from another buffer, as the apply agent did
+        # before it applied in place (for comparison; bit_exact covers it too).
         for where in ("in", "two") if two_buffers else ("in",):
             for k in turn:
                 np.copyto(target, ref)
@@ -465,7 +470,6 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
         bound = s["entropy_bytes_per_change"]
         ratio = s["bytes_per_change"] / bound if bound else 0.0
         enc, app = s["encode_gbps"] / mem, s["apply_gbps"] / mem
-        two = s["apply_two_buffers_gbps"] / mem
         ceiling = _undecoded_gbps(s) / mem
         step = f"step {s['step']}"
         rows += [
@@ -483,10 +487,6 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
                 f"{step}: apply {app:.2f}x memcpy (target >= {app_t}; its writes and verify "
                 f"alone {ceiling:.2f}x)",
                 app >= app_t,
-            ),
-            (
-                f"{step}: apply into the other buffer {two:.2f}x memcpy (target >= {app_t})",
-                two >= app_t,
             ),
         ]
         cond_t = TARGETS["conditioned_vs_ordered_bound"]
@@ -537,9 +537,11 @@ def render(result: dict[str, Any]) -> str:
     ]
     lines.append("")
     for s in result["steps"]:
+        two = s["apply_two_buffers_gbps"]
         lines.append(
-            f"  step {s['step']} apply into the other buffer (reading the reference from the "
-            f"active one, as the apply agent does): {s['apply_two_buffers_gbps']:.2f} GB/s"
+            f"  step {s['step']} apply reading the reference from another buffer (as the apply "
+            f"agent did before it applied in place; no target): {two:.2f} GB/s "
+            f"({two / mem:.2f}x memcpy, {two / s['apply_gbps']:.2f}x in place)"
         )
     for s in result["steps"]:
         w, v, both = s["writes_gbps"], s["verify_gbps"], _undecoded_gbps(s)

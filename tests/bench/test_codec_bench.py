@@ -147,6 +147,12 @@ def test_bench_codec_table_names_the_targets():
     for name in ("conditioned Rice", "conditioned Huffman"):
         assert f"{name}: " in out.stdout
         assert f"{name} bit-exact" in out.stdout  # and its verdicts
+    # The apply agent applies in place: a separate reference is reported for comparison, and
+    # no verdict holds it to the apply target as if a receiver still read one.
+    assert "apply reading the reference from another buffer" in out.stdout
+    verdicts = [line for line in out.stdout.splitlines() if line.lstrip().startswith("[")]
+    assert verdicts
+    assert not [v for v in verdicts if "other buffer" in v], verdicts
     # its kernels' threads sleep between kernels as the agents' do: the policy was set before
     # torch (the simulation) loaded the OpenMP runtime they share (deltarl/ops/kernel_threads.py)
     assert "loaded already" not in out.stderr, out.stderr
