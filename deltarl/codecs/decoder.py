@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +65,7 @@ from deltarl.codecs.frame_checks import (
 )
 from deltarl.codecs.manifest import RefitManifest
 from deltarl.codecs.values import decode_values, from_planes
+from deltarl.codecs.written_ranges import WrittenRanges
 from deltarl.engine.layout import Layout, dtype_of
 
 
@@ -213,6 +214,7 @@ def decode_apply_chunk(
     base: int | None,
     target: int | None,
     scratch: DecodeScratch | None = None,
+    claim: Callable[[Sequence[RecordHeader]], None] | None = None,
 ) -> DecodedChunk:
     """``decode_chunk`` and then ``apply_chunk(chunk, layout, into, reference)``, with the
     Rice-coded records written as they decode (kernels.decode_sparse). A frame refused
@@ -221,11 +223,15 @@ def decode_apply_chunk(
     (views into ``scratch``, as decode_chunk's), which applies the same writes again
     elsewhere with ``apply_chunk``.
 
+    ``claim``: called with the frame's records once they are checked and before anything is
+    written; a FrameError it raises refuses the frame (``VersionApply``: no range written
+    twice in a version).
+
     Only a MemoryError while writing the conditioned and dense records, after the Rice
     records are written, leaves ``into`` partly written: it raises FrameError saying so.
     """
     try:
-        chunk = _decode_chunk(data, layout, base, target, scratch, reference, into)
+        chunk = _decode_chunk(data, layout, base, target, scratch, reference, into, claim)
     except MemoryError as exc:
         raise FrameError(f"frame refused: decoding it ran out of memory ({exc!r})") from exc
     try:
@@ -247,6 +253,7 @@ def _decode_chunk(
     scratch: DecodeScratch | None,
     reference: np.ndarray | None,
     into: np.ndarray | None,
+    claim: Callable[[Sequence[RecordHeader]], None] | None = None,
 ) -> DecodedChunk:
     # read-only whatever the link handed over (bytes, a bytearray, a writable array): the
     # streams are views of it, and the kernels read them (read_only)
@@ -272,6 +279,8 @@ def _decode_chunk(
     check_records(header, records, layout)
     if into is not None and reference is None:
         _check_raw(records)  # before anything is written, as apply_chunk checks it
+    if claim is not None:
+        claim(records)  # before anything is written
     raw = read_streams(header, records, streams, body[tables:])
     # The dense records first: with ``into``, _decode_sparse's last step writes.
     dense = _split_planes(records, raw)
@@ -427,9 +436,12 @@ class VersionApply:
     """Applies the chunks of one version into a target buffer, then verifies it.
 
     Keeps: every chunk id is applied at most once (a repeated chunk with the same checksum is
-    acknowledged and skipped; one with a different checksum is refused); chunks must be of
-    this version and base; ``verify`` passes only when the manifest's chunks all arrived
-    with their listed checksums and every tensor hashes right.
+    acknowledged and skipped; one with a different checksum is refused); no element is
+    written by two chunks (a chunk whose record reaches into a range another chunk of the
+    version wrote is refused before it writes: written_ranges.py), so in place each change
+    is decoded against the base; chunks must be of this version and base; ``verify`` passes
+    only when the manifest's chunks all arrived with their listed checksums and every
+    tensor hashes right.
 
     Verifying as chunks land: the encoder sends records in tensor order, so once a chunk
     whose first record is for tensor t is applied, the tensors before t are (in a send that
@@ -476,6 +488,7 @@ class VersionApply:
         self.hash_chunks = hash_chunks
         self.hash_early = hash_early
         self.applied: dict[int, int] = {}  # chunk id -> checksum
+        self._written = WrittenRanges(layout)  # the ranges those chunks wrote
         self.hashes: dict[int, str] = {}  # chunk id -> BLAKE2b-256, with hash_chunks
         self._writes = np.zeros(len(layout), np.int64)  # per tensor: chunks that wrote it
         self._early: dict[int, tuple[int, str]] = {}  # tensor -> (its _writes then, digest)
@@ -527,10 +540,12 @@ class VersionApply:
             base=self.base,
             target=self.version,
             scratch=_default_scratch(),
+            claim=lambda records: self._written.check(header.chunk_id, self.version, records),
         )
         decoded_at = time.perf_counter()
         self.decode_s += decoded_at - t
         self.applied[header.chunk_id] = header.checksum
+        self._written.add(header.chunk_id, decoded.records)
         if self.keep is not None:
             self.keep.append(owned(decoded))
             self.keep_s += time.perf_counter() - decoded_at

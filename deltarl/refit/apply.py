@@ -412,11 +412,12 @@ class ApplyCore(DaemonCore):
             self.opened_by[opened_by] += 1
         # The reference is the target itself: once opened, a delta's target holds its base
         # bit for bit (settled, caught up or copied), and each chunk is applied once
-        # (VersionApply, by chunk id; a re-send of the version is a new job on a reopened
-        # buffer), so every changed element is read just before it is written. Reading the
-        # active buffer instead touched a second cache line per change: the decode took twice
-        # as long on a 98M model at 1.5% changed (README). A job given up leaves the target
-        # half written, which the store then marks EMPTY: the next one copies (begin_write).
+        # (VersionApply, by chunk id, and no element by two chunks; a re-send of the version
+        # is a new job on a reopened buffer), so every changed element is read just before
+        # it is written. Reading the active buffer instead touched a second cache line per
+        # change: the decode took twice as long on a 98M model at 1.5% changed (README). A
+        # job given up leaves the target half written, which the store then marks EMPTY: the
+        # next one copies (begin_write).
         reference = txn.buffer if base is not None else None
         catching = self.config.catch_up != "off"
         kept = None if base is None or not catching else KeptDelta(version, base)

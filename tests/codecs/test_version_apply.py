@@ -11,6 +11,7 @@ import pytest
 
 from deltarl.codecs.checksum import tensor_digest
 from deltarl.codecs.decoder import ChecksumMismatchError, VersionApply
+from deltarl.codecs.encoder import DeltaEncoder
 from deltarl.codecs.frame import NO_BASE, FrameError
 from deltarl.codecs.manifest import RefitManifest
 from tests.codecs.forge import OFF_TARGET, Forged, patch, reseal
@@ -171,6 +172,55 @@ def test_a_tensor_wrong_when_hashed_early_fails_verify(case: Case) -> None:
     assert set(apply.early_digests()) == {0}
     with pytest.raises(ChecksumMismatchError, match=r"1 tensor\(s\) differ after apply: emb"):
         apply.verify(case.chunks_manifest)
+
+
+def _another_send(case: Case, *, item_elems: int, first_chunk_id: int) -> list[bytes]:
+    """The same delta encoded again, as a re-send would be: its chunk ids from
+    ``first_chunk_id`` up, its records ``item_elems`` long (the case's are 128: 4096-byte
+    chunks hold items of at most 4096 / 32 elements)."""
+    enc = DeltaEncoder(case.layout, chunk_bytes=4096, item_elems=item_elems, dense_threshold=0.5)
+    e = enc.encode(
+        case.cur, case.ref, target_version=TARGET, base_version=BASE, first_chunk_id=first_chunk_id
+    )
+    return [c.data for c in e]
+
+
+@pytest.mark.parametrize("item_elems", [128, 64], ids=["same-ranges", "straddling"])
+def test_a_chunk_writing_what_another_chunk_wrote_is_refused_before_writing(
+    case: Case, item_elems: int
+) -> None:
+    # fault: a chunk of another send of the version (another chunk id, so not a duplicate)
+    # lands in this one's apply, in place. Its records cover ranges chunk 0 wrote: decoded,
+    # they would read the new bytes as their base. Refused before it writes, naming both.
+    target = case.ref.copy()
+    apply = VersionApply(case.layout, target, target, base=BASE, version=TARGET)
+    assert apply.apply(case.chunks[0]) is True
+    after_first = target.tobytes()
+    other = _another_send(case, item_elems=item_elems, first_chunk_id=100)
+    assert other[0] != case.chunks[0]
+    with pytest.raises(
+        FrameError,
+        match=r"chunk 100 of version 4: record \d+ \('emb'\) writes elements \[\d+, \d+\), "
+        r"but chunk 0 of this version already wrote \[\d+, \d+\)",
+    ):
+        apply.apply(other[0])
+    assert target.tobytes() == after_first
+    # the refused chunk left nothing behind: the version's own chunks complete it
+    for c in case.chunks[1:]:
+        assert apply.apply(c) is True
+    assert target.tobytes() == case.cur.tobytes()
+    apply.verify(case.chunks_manifest)
+
+
+def test_chunks_of_one_version_out_of_order_write_disjoint_ranges(case: Case) -> None:
+    # every chunk's ranges are its own, whatever the order they land in: none is refused
+    target = case.ref.copy()
+    apply = VersionApply(case.layout, target, target, base=BASE, version=TARGET)
+    order = [*case.chunks[1::2], *case.chunks[::2]]
+    for c in order:
+        assert apply.apply(c) is True
+    assert target.tobytes() == case.cur.tobytes()
+    apply.verify(case.chunks_manifest)
 
 
 def test_verify_checks_the_whole_model_digest(case: Case) -> None:
