@@ -301,6 +301,12 @@ class Refits:
                 "settle": self.d.fields("apply").get("last_settle"),
                 "first_chunk_after_s": opened_at - last["started_at"],
                 "sent_to_commit_s": applied["committed_at"] - last["sent_at"],
+                # From the encoder's last chunk to the last send's return: the link draining
+                # the chunks queued for it, and the manifest sent.
+                "encoded_to_sent_s": last["sent_at"] - last["encoded_at"],
+                # From encoding's start to its last chunk: the encoder's own time (encode_s)
+                # and the waits between its chunks, while the sends ran on the agent's CPUs.
+                "encode_span_s": last["encoded_at"] - last["started_at"],
                 # The acknowledgement's own latency: the flip to the export agent hearing of it
                 # (a pushed event; it was a status poll every poll_s before).
                 "commit_to_ack_s": last["acked_at"] - applied["committed_at"],

@@ -95,7 +95,9 @@ def render(result: dict[str, Any], diag: list[dict[str, Any]] | None = None) -> 
         lines.append(
             f"  version {d['version']}: lease {d['copy_s'] * 1e3:.1f} ms, apply opened "
             f"{d['first_chunk_after_s'] * 1e3:.1f} ms after encoding began (open, base by "
-            f"{d.get('opened_by') or '?'}: {d['open_s'] * 1e3:.1f} ms), commit "
+            f"{d.get('opened_by') or '?'}: {d['open_s'] * 1e3:.1f} ms), the last chunk encoded "
+            f"{d['encode_span_s'] * 1e3:.1f} ms after it began, the last send returned "
+            f"{d['encoded_to_sent_s'] * 1e3:.1f} ms after that, commit "
             f"{d['sent_to_commit_s'] * 1e3:.1f} ms after the last send returned, acknowledged "
             f"{d['commit_to_ack_s'] * 1e3:.2f} ms after the commit; "
             f"{d['early_hash_s'] * 1e3:.1f} ms of apply hashed tensors as chunks landed"

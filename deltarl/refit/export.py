@@ -522,6 +522,7 @@ class ExportCore(DaemonCore):
 
         sending = asyncio.create_task(send_all(), name=f"export:send:{version}")
         recorded = False
+        encoded_at = 0.0
         encode_s = time.monotonic() - t0  # time in the encoder (bench refit reads it)
         try:
             # Send while still encoding: each chunk leaves as soon as it exists.
@@ -532,6 +533,7 @@ class ExportCore(DaemonCore):
                 if not await put_unless_done(outbox, chunk, sending) or chunk is None:
                     break
             snap.release()  # encoded: ``current`` holds its bytes now
+            encoded_at = time.monotonic()
             await sending  # raises the link's error, if any
             manifest = encoding.manifest
             assert manifest is not None  # set once the chunks are exhausted
@@ -581,6 +583,7 @@ class ExportCore(DaemonCore):
             receiver=acked_by,
             changed=manifest.changed,
             elements=self.encoder.layout.numel,
+            encoded_at=encoded_at,
         )
         self.recent.append(record)
         if outcome is None:

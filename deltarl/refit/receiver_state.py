@@ -156,6 +156,9 @@ class RefitRecord:
     """Elements whose bits differ from the base (every element for a full version)."""
     elements: int = 0
     """Elements in the model: ``changed / elements`` is the version's changed ratio."""
+    encoded_at: float = 0.0
+    """The encoder handed over the last chunk (0.0 where the encoding failed first): from
+    here to ``sent_at`` the sender drained the last chunks and sent the manifest."""
 
     @property
     def total_s(self) -> float | None:

@@ -160,6 +160,11 @@ def test_versions_arrive_bit_exact_as_deltas_acknowledged_by_events(tmp_path: Pa
             assert last.total_s is not None
             assert 0 < last.total_s < 30
             assert p.export.status_fields()["last"]["total_s"] == last.total_s
+            # the refit's moments in order: taken, encoding begun, last chunk encoded, the
+            # manifest sent after every chunk, acknowledged (bench refit's diagnostics)
+            assert last.taken_at <= last.started_at < last.encoded_at <= last.sent_at
+            assert last.sent_at <= last.acked_at
+            assert p.export.status_fields()["last"]["encoded_at"] == last.encoded_at
             with ManifestStore(p.manifests, readonly=True) as ms:
                 record = ms.get(3)
                 assert record is not None
