@@ -42,7 +42,8 @@ the result bit for bit against the trainer's version, and reports:
   coding is smaller: its wire bytes, bytes per change, ratio to the ordered bound (target at
   most 0.85), encode and apply speed, bit-exactness, measured beside the default coding;
   and walk_gbps, its walk over the reference alone (``codec_walk``: each element's class and
-  that class's countdown, no coding), the floor under both its encode and its apply here;
+  that class's countdown, no coding), the floor under its apply here (and under the range
+  coder's encode, which walks the same way; models 2 and 3 encode with a cheaper walk);
 - conditioned_rice: the same, Rice coded with parameters per class of exponents
   (``conditioned_coder="rice"``, codecs/conditioned_rice.py), timed in the same rounds as
   ``conditioned``, with the same keys;
@@ -507,10 +508,7 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
                     f"(target <= {cond_t})",
                     c["vs_ordered_bound"] <= cond_t,
                 ),
-                (
-                    f"{step}: {name} encode {c_enc:.2f}x memcpy (target >= {enc_t}; {floor})",
-                    c_enc >= enc_t,
-                ),
+                (f"{step}: {name} encode {c_enc:.2f}x memcpy (target >= {enc_t})", c_enc >= enc_t),
                 (
                     f"{step}: {name} apply {c_app:.2f}x memcpy (target >= {app_t}; {floor})",
                     c_app >= app_t,
@@ -577,7 +575,7 @@ def render(result: dict[str, Any]) -> str:
             f"({c['bytes_per_change'] / s['bytes_per_change']:.2f}x the default coding, "
             f"{c['vs_ordered_bound']:.3f}x the ordered bound), encode {c['encode_gbps']:.2f} "
             f"GB/s, apply {c['apply_gbps']:.2f} GB/s, bit-exact {'yes' if c['bit_exact'] else 'NO'}"
-            f"; its walk over the reference alone {c['walk_gbps']:.2f} GB/s "
+            f"; a decoder's walk over the reference alone {c['walk_gbps']:.2f} GB/s "
             f"({c['walk_gbps'] / mem:.2f}x memcpy)"
         )
         for key, name in (

@@ -1,14 +1,16 @@
-"""The floor under the conditioned coding's speed on this machine: its walk alone.
+"""The floor under the conditioned coding's apply on this machine: its walk alone.
 
-Both sides of the conditioned coding (deltarl/codecs/conditioned.py) find every position by
+A decoder of the conditioned coding (deltarl/codecs/conditioned.py) finds every position by
 walking the reference: for each element, its class (the exponent of its reference bits) and
 that class's countdown to its next change, loaded, decremented and stored back. The walk is
 the same whatever the delta, and it is a chain through memory wherever neighbours share a
 class (a store, then a load of the same slot), so it costs the same on every step however
 few elements changed. ``walker`` gives that loop and nothing else: no coding, no event
-but a class's first element. The conditioned encode and apply cannot be faster than it, so
-``bench codec`` reports it beside them, as it reports the writes and the verify beside the
-default coding's apply.
+but a class's first element. The conditioned apply cannot be faster than it, so
+``bench codec`` reports it beside it, as it reports the writes and the verify beside the
+default coding's apply. (The encoders of models 2 and 3 know where the changes are and
+count the elements between them without that chain, conditioned_rice._walk: their walk is
+cheaper than this one.)
 
 The ranges are the float tensors the conditioned coding may code, each walked whole, dealt
 to the kernels' threads as the decoder deals its records (``kernels.deal``).

@@ -255,23 +255,66 @@ def _put_count(dst, end, st, x):
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
+def _count(ref, s, a, b, count, shift, mask):
+    """Count the range's elements [a, b) by exponent into ``count``'s four tables (element
+    a + i into table i % 4): see ``_walk``."""
+    e = a
+    while e + 4 <= b:
+        u = np.uint64(s + e)
+        x0 = (np.uint64(ref[u]) >> shift) & mask
+        x1 = (np.uint64(ref[u + np.uint64(1)]) >> shift) & mask
+        x2 = (np.uint64(ref[u + np.uint64(2)]) >> shift) & mask
+        x3 = (np.uint64(ref[u + np.uint64(3)]) >> shift) & mask
+        count[x0] += 1
+        count[np.uint64(EXPONENTS) + x1] += 1
+        count[np.uint64(2 * EXPONENTS) + x2] += 1
+        count[np.uint64(3 * EXPONENTS) + x3] += 1
+        e += 4
+    while e < b:
+        count[(np.uint64(ref[np.uint64(s + e)]) >> shift) & mask] += 1
+        e += 1
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
 def _walk(ref, s, n, pos, o, c, shift, mask):
     """(each change's reference exponent, its rank among the range's elements of that
-    exponent, each exponent's element count): the encoders' one walk over the reference."""
-    count = np.zeros(EXPONENTS, np.int64)
+    exponent, each exponent's element count): the encoders' one walk over the reference.
+
+    The encoder knows where the changes are, so it counts the unchanged elements between two
+    changes in a loop that tests nothing, and the elements four at a time into four tables,
+    summed where a rank is needed: one table, incremented by one element and loaded again by
+    the next of the same exponent, is a chain through memory. Measured on one core against
+    a loop over every element that asked whether it was the next change and counted into
+    one table (60 items of 1M bf16 elements of the simulated 98M delta, the same results):
+    step 1 (3.7% changed) 1.20-1.35 -> 0.95-1.17 ns an element, step 6 (1.5%) 1.09-1.25 ->
+    0.60-0.73."""
+    count = np.zeros(4 * EXPONENTS, np.int64)
     ex = np.empty(c, np.int64)
     rank = np.empty(c, np.int64)
-    j = 0
-    nxt = np.int64(pos[o]) if c > 0 else n
-    for e in range(n):
-        x = (np.int64(ref[s + e]) >> shift) & mask
-        if e == nxt:
-            ex[j] = x
-            rank[j] = count[x]
-            j += 1
-            nxt = np.int64(pos[o + j]) if j < c else n
+    ushift = np.uint64(shift)
+    umask = np.uint64(mask)
+    e = 0  # elements below e are counted
+    for j in range(c):
+        p = np.int64(pos[o + j])
+        _count(ref, s, e, p, count, ushift, umask)
+        x = (np.uint64(ref[np.uint64(s + p)]) >> ushift) & umask
+        ex[j] = np.int64(x)
+        rank[j] = (
+            count[x]
+            + count[np.uint64(EXPONENTS) + x]
+            + count[np.uint64(2 * EXPONENTS) + x]
+            + count[np.uint64(3 * EXPONENTS) + x]
+        )
         count[x] += 1
-    return ex, rank, count
+        e = p + 1
+    _count(ref, s, e, n, count, ushift, umask)
+    total = (
+        count[:EXPONENTS]
+        + count[EXPONENTS : 2 * EXPONENTS]
+        + count[2 * EXPONENTS : 3 * EXPONENTS]
+        + count[3 * EXPONENTS :]
+    )
+    return ex, rank, total
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
