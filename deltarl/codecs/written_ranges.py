@@ -50,7 +50,7 @@ class WrittenRanges:
                     f"chunk {chunk_id} of version {version}: record {i} ({name!r}) writes "
                     f"elements [{r.start}, {end}), but chunk {self._chunks[r.tensor_id][j]} "
                     f"of this version already wrote [{lo}, {hi}): the records of one version "
-                    "never overlap, so this frame is forged or corrupt"
+                    "never overlap, so this frame is forged, corrupt or sent in error"
                 )
 
     def add(self, chunk_id: int, records: Sequence[RecordHeader]) -> None:
