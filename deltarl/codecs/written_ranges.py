@@ -24,31 +24,27 @@ from deltarl.engine.layout import Layout
 
 
 class WrittenRanges:
-    """Per tensor: the ranges written so far, as sorted starts, ends and the chunk of each."""
+    """Per tensor: the ranges written so far, as (start, end, chunk id), sorted by start."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self._starts: dict[int, list[int]] = {}
-        self._ends: dict[int, list[int]] = {}
-        self._chunks: dict[int, list[int]] = {}
+        self._ranges: dict[int, list[tuple[int, int, int]]] = {}
 
     def check(self, chunk_id: int, version: int, records: Sequence[RecordHeader]) -> None:
         """Raise FrameError if a record reaches into a range already written. The records
         of one frame are already known to be disjoint and ascending (frame_checks)."""
         for i, r in enumerate(records):
-            starts = self._starts.get(r.tensor_id)
-            if not starts:
-                continue
+            ranges = self._ranges.get(r.tensor_id, [])
             end = r.start + r.length
             # the last range starting before this record's end is the only one that can
             # overlap it: ranges are disjoint, so any earlier one ends before that one starts
-            j = bisect.bisect_left(starts, end) - 1
-            if j >= 0 and self._ends[r.tensor_id][j] > r.start:
+            j = bisect.bisect_left(ranges, end, key=lambda w: w[0]) - 1
+            if j >= 0 and ranges[j][1] > r.start:
                 name = self.layout.tensors[r.tensor_id].name
-                lo, hi = starts[j], self._ends[r.tensor_id][j]
+                lo, hi, first = ranges[j]
                 raise FrameError(
                     f"chunk {chunk_id} of version {version}: record {i} ({name!r}) writes "
-                    f"elements [{r.start}, {end}), but chunk {self._chunks[r.tensor_id][j]} "
+                    f"elements [{r.start}, {end}), but chunk {first} "
                     f"of this version already wrote [{lo}, {hi}): the records of one version "
                     "never overlap, so this frame is forged, corrupt or sent in error"
                 )
@@ -56,8 +52,6 @@ class WrittenRanges:
     def add(self, chunk_id: int, records: Sequence[RecordHeader]) -> None:
         """Record a chunk's ranges as written (after ``check`` passed and it was applied)."""
         for r in records:
-            starts = self._starts.setdefault(r.tensor_id, [])
-            j = bisect.bisect_left(starts, r.start)
-            starts.insert(j, r.start)
-            self._ends.setdefault(r.tensor_id, []).insert(j, r.start + r.length)
-            self._chunks.setdefault(r.tensor_id, []).insert(j, chunk_id)
+            bisect.insort(
+                self._ranges.setdefault(r.tensor_id, []), (r.start, r.start + r.length, chunk_id)
+            )
