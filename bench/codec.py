@@ -43,7 +43,8 @@ the result bit for bit against the trainer's version, and reports:
   most 0.85), encode and apply speed, bit-exactness, measured beside the default coding;
   and walk_gbps, its walk over the reference alone (``codec_walk``: each element's class and
   that class's countdown, no coding), the floor under its apply here (and under the range
-  coder's encode, which walks the same way; models 2 and 3 encode with a cheaper walk);
+  coder's encode, which walks the same way; models 2 and 3 walk 64 elements at a time,
+  more cheaply, on both sides);
 - conditioned_rice: the same, Rice coded with parameters per class of exponents
   (``conditioned_coder="rice"``, codecs/conditioned_rice.py), timed in the same rounds as
   ``conditioned``, with the same keys;
@@ -326,8 +327,9 @@ def _conditioned(
         "encode_gbps": model_bytes / m.encode_s / 1e9,
         "apply_gbps": model_bytes / m.apply_s / 1e9,
         "bit_exact": m.bit_exact,
-        # the walk over the reference alone (codec_walk.py): the floor under both its
-        # encode and its apply on this machine
+        # the range coder's walk over the reference alone (codec_walk.py): the floor under
+        # its encode and apply on this machine (models 2 and 3 walk more cheaply, by blocks,
+        # so for them it is only a reference)
         "walk_gbps": model_bytes / walk_s / 1e9,
     }
 
@@ -500,7 +502,9 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
                 continue
             c = s[key]
             c_enc, c_app = c["encode_gbps"] / mem, c["apply_gbps"] / mem
-            floor = f"its walk over the reference alone {c['walk_gbps'] / mem:.2f}x"
+            floor = ""
+            if key == "conditioned":  # models 2 and 3 walk by blocks: no floor of theirs
+                floor = f"; its walk over the reference alone {c['walk_gbps'] / mem:.2f}x"
             rows += [
                 (f"{step}: {name} bit-exact", c["bit_exact"]),
                 (
@@ -510,7 +514,7 @@ def verdicts(result: dict[str, Any]) -> list[tuple[str, bool]]:
                 ),
                 (f"{step}: {name} encode {c_enc:.2f}x memcpy (target >= {enc_t})", c_enc >= enc_t),
                 (
-                    f"{step}: {name} apply {c_app:.2f}x memcpy (target >= {app_t}; {floor})",
+                    f"{step}: {name} apply {c_app:.2f}x memcpy (target >= {app_t}{floor})",
                     c_app >= app_t,
                 ),
             ]

@@ -8,9 +8,9 @@ class (a store, then a load of the same slot), so it costs the same on every ste
 few elements changed. ``walker`` gives that loop and nothing else: no coding, no event
 but a class's first element. The conditioned apply cannot be faster than it, so
 ``bench codec`` reports it beside it, as it reports the writes and the verify beside the
-default coding's apply. (The encoders of models 2 and 3 know where the changes are and
-count the elements between them without that chain, conditioned_rice._walk: their walk is
-cheaper than this one.)
+default coding's apply. (Models 2 and 3 walk 64 elements at a time, with a mask per
+exponent and block, conditioned_rice._walk and _walk_changes: their walks are cheaper than
+this one, which is the range coder's.)
 
 The ranges are the float tensors the conditioned coding may code, each walked whole, dealt
 to the kernels' threads as the decoder deals its records (``kernels.deal``).

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltarl.codecs import conditioned_huffman, kernels
 from deltarl.codecs import conditioned_rice as cr
-from deltarl.codecs import kernels
 from deltarl.codecs.decoder import VersionApply
 from deltarl.codecs.encoder import DELTA_CODINGS, DeltaEncoder, delta_coding_options
 from deltarl.codecs.frame import (
@@ -310,6 +310,23 @@ def test_any_changes_and_values_decode_to_what_was_coded(
     zval = rng.integers(1, 1 << top, pos.size, dtype=np.uint64, endpoint=False)
     zval[rng.random(pos.size) < 0.01] = (1 << (8 * width)) - 1  # the odd escape
     _round_trip(ref, pos, np.maximum(zval, 1), 7 if width == 2 else 23)
+
+
+@pytest.mark.parametrize("model", ["rice", "huffman"])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 4095, 4096, 4097, 2 * cr.WALK_SPAN + 64])
+def test_the_walks_meet_changes_at_every_block_and_span_edge(model: str, n: int) -> None:
+    """Both sides walk 64 elements at a time, WALK_SPAN at a time taken out as bytes: a
+    range of any length, its changes on each side of every block edge and at its ends,
+    round-trips; with three exponents only, so each has many members in a block, and one
+    changed throughout (model 3 codes it inverted)."""
+    rng = np.random.default_rng(n)
+    exponents = np.array([120, 121, 122], np.uint16)
+    ref = (exponents[rng.integers(0, 3, n)] << 7) | rng.integers(0, 128, n).astype(np.uint16)
+    edges = [p for e in range(0, n + 1, 64) for p in (e - 1, e) if 0 <= p < n]
+    dense = np.flatnonzero(ref >> 7 == 122)  # nearly all of its members change
+    pos = np.union1d(edges, dense[rng.random(dense.size) < 0.9]).astype(np.uint32)
+    zval = rng.integers(1, 5, pos.size).astype(np.uint64)
+    _round_trip(ref, pos, zval, 7, coder=cr if model == "rice" else conditioned_huffman)
 
 
 @pytest.mark.parametrize("k", [0, 5, 26, 27, 31])
