@@ -822,24 +822,25 @@ def _decode_record(ref, b, n, src, r0, end, c, o, shift, mask, vmax, positions, 
     for x in range(lo, hi + 1):
         kvx[x] = kv[_class(x, low)]
         kgx[x] = kg[_class(x, low)]
-    zeros = np.zeros(EXPONENTS, np.int64)
-    none = np.zeros(1, np.int64)
+    zeros = np.zeros(EXPONENTS, np.int64)  # no exponent inverted, every value Rice coded
+    inverted = run = up = u_end = todo = kind = base = toff = tbits = zeros
+    ugaps = table = np.zeros(1, np.int64)
     codes = (
         left,
         rest,
-        zeros,
-        zeros,
-        none,
-        zeros,
-        zeros,
-        zeros,
-        zeros,
+        inverted,
+        run,
+        ugaps,
+        up,
+        u_end,
+        todo,
+        kind,
         kvx,
         kgx,
-        zeros,
-        none,
-        zeros,
-        zeros,
+        base,
+        table,
+        toff,
+        tbits,
     )
     return _walk_changes(
         ref, b, n, src, r0, end, st, c, o, shift, mask, vmax, positions, zval, lo, hi, codes
