@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 from deltarl.codecs import conditioned_huffman, kernels
 from deltarl.codecs import conditioned_rice as cr
@@ -310,6 +311,22 @@ def test_any_changes_and_values_decode_to_what_was_coded(
     zval = rng.integers(1, 1 << top, pos.size, dtype=np.uint64, endpoint=False)
     zval[rng.random(pos.size) < 0.01] = (1 << (8 * width)) - 1  # the odd escape
     _round_trip(ref, pos, np.maximum(zval, 1), 7 if width == 2 else 23)
+
+
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(1, 2**64 - 1), data=st.data())
+def test_select_finds_the_kth_set_bit_and_popcount_counts_them(m: int, data: Any) -> None:
+    """The walks' bit primitives against Python: popcount, and select for every k below
+    it (the byte from the bytes' running counts, the bit from a table)."""
+    ones = [t for t in range(64) if m >> t & 1]
+    k = data.draw(st.integers(0, len(ones) - 1))
+    assert cr._select(np.uint64(m), k) == ones[k]
+    assert _bits_set(np.uint64(m)) == len(ones)
+
+
+@njit(cache=False)
+def _bits_set(m: np.uint64) -> int:
+    return cr._popcount(m)
 
 
 @pytest.mark.parametrize("model", ["rice", "huffman"])
